@@ -1,0 +1,22 @@
+"""graphscale: exact per-group gradient-accumulation scaling for any autograd graph.
+
+Gradient accumulation divides gradients by GAS so that GAS micro-batches add
+up to a mean.  graphscale puts that division where it belongs: on the leaves
+each group (a DeepSpeed engine, or a :class:`Group` of parameters) owns, for
+any graph and any backward style.
+
+    >>> import torch, graphscale
+    >>> actor, critic = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+    >>> with graphscale.install(graphscale.Group(actor, gas=2), graphscale.Group(critic, gas=4)):
+    ...     critic(actor(torch.ones(1, 2))).sum().backward()
+    >>> critic.bias.grad  # 1 / 4
+    tensor([0.2500])
+"""
+from __future__ import annotations
+
+from ._errors import ConfigurationError, GraphscaleError
+from ._group import Group
+from ._install import Installation, install
+
+__all__ = ["Group", "install", "Installation", "GraphscaleError", "ConfigurationError"]
+__version__ = "0.1.0"

@@ -1,0 +1,308 @@
+"""The governed backward: what runs in place of ``torch.autograd.backward``.
+
+``Tensor.backward`` and DeepSpeed's ``engine.backward`` both end in
+``torch.autograd.backward``, so while graphscale is installed that function is
+replaced by :func:`governed_backward`, which reads the factors, makes a plan
+(or takes the fast path), applies it with node hooks and seed scaling, runs
+the original, and removes every hook in a ``finally``.
+
+# NOTE [ Fast path ]
+# When every installed group has the same factor f and unowned leaves may take
+# any single factor (unowned="any"), every leaf is right with potential f
+# everywhere: multiply the seeds by f and walk nothing.  f == 1 touches nothing
+# at all.
+#
+# NOTE [ Nested backward ]
+# Reentrant activation checkpointing (torch's and DeepSpeed's) calls
+# torch.autograd.backward from inside a node's backward, on a graph recomputed
+# there, which the outer walk could not see.  torch._C._current_autograd_node()
+# names that node; the outer plan gave it a potential p, so the gradients it
+# received carry p.  The inner backward is planned with base p (its seeds are
+# assumed to be, or be linear in, the gradients the node received, as
+# checkpointing does), owned leaves pinned to their group's factor as read by
+# the *outer* backward, and unowned leaves that are not nn.Parameters (the
+# detached inputs through which checkpointing returns gradients to the outer
+# graph) pinned to p, so the node hands back gradients at p as the outer plan
+# expects.  The outer plan is found through a process-wide registry keyed by
+# node, not through thread-local state: CUDA backward runs nodes on autograd
+# worker threads.  Inside a fast-path backward everything already carries the
+# one factor, so a nested backward found in no walked plan runs untouched.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from ._group import Group
+from ._plan import Plan, make_plan
+from ._walk import walk
+
+__all__ = ["governed_backward", "gas_scaling", "ORIGINAL_BACKWARD", "State", "build_plan"]
+
+_log = logging.getLogger("graphscale")
+
+ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
+
+
+@dataclass(frozen=True)
+class State:
+    """A snapshot of what is installed, read once per backward."""
+
+    groups: tuple[Group, ...]
+    owner: dict[int, Group]  # id(leaf tensor) -> group; the groups keep the leaves alive
+    raw: bool  # unowned leaves must get exactly their plain gradient
+
+
+_state: State | None = None
+
+
+def set_state(state: State | None) -> None:
+    global _state
+    _state = state
+
+
+def current_state() -> State | None:
+    return _state
+
+
+# ---------------------------------------------------------------- scale_wrt_gas
+_tls = threading.local()
+
+
+@contextmanager
+def gas_scaling(enabled: bool) -> Iterator[None]:
+    """Within this block, top-level governed backwards on this thread apply
+    the GAS factors only if ``enabled`` (``engine.backward(scale_wrt_gas=...)``)."""
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    stack.append(enabled)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _gas_scaling_enabled() -> bool:
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else True
+
+
+# ---------------------------------------------------------------- active plans
+@dataclass(eq=False)
+class _Active:
+    plan: Plan
+    factors: dict[Group, float]
+    state: State
+
+
+_active: list[_Active] = []  # walked plans whose backward is running, any thread
+_active_lock = threading.Lock()
+
+
+def _find_outer(node: Any) -> tuple[_Active, float] | None:
+    with _active_lock:
+        candidates = list(_active)
+    for act in reversed(candidates):
+        i = act.plan.graph.index.get(node)
+        if i is not None:
+            return act, act.plan.phi[i]
+    return None
+
+
+# ---------------------------------------------------------------- planning
+def _root_node(t: Any) -> Any:
+    if isinstance(t, GradientEdge):
+        return t.node
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return get_gradient_edge(t).node
+    return None
+
+
+def build_plan(
+    roots: Sequence[Any],
+    state: State,
+    factors: dict[Group, float],
+    base: float = 1.0,
+    carrier: float | None = None,
+    inputs: Sequence[Any] = (),
+) -> Plan:
+    """Walk from ``roots`` and choose potentials (see NOTE [ Potentials ]).
+
+    ``carrier``: in a nested backward, the potential that unowned
+    non-Parameter leaves must end at (NOTE [ Nested backward ]).
+    """
+    root_nodes = [_root_node(t) for t in roots]
+    graph = walk(root_nodes)
+    owner = state.owner
+    raw = state.raw
+    pins: dict[int, float] = {}
+    for i, var in graph.leaves.items():
+        g = owner.get(id(var))
+        if g is not None:
+            pins[i] = factors[g]
+        elif carrier is not None and not isinstance(var, torch.nn.Parameter):
+            pins[i] = carrier
+        elif raw:
+            pins[i] = 1.0
+    if raw:
+        for t in inputs:  # non-leaf inputs= tensors receive .grad too
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                j = graph.index.get(t.grad_fn)
+                if j is not None:
+                    pins[j] = carrier if carrier is not None else 1.0
+    index = graph.index
+    root_idx = [index[n] if n is not None else -1 for n in root_nodes]
+    return make_plan(graph, pins, root_idx, base=base)
+
+
+def _post_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = list(grad_inputs)
+        for k, m in mults:
+            g = out[k]
+            if g is not None:
+                out[k] = g * m
+        return tuple(out)
+
+    return hook
+
+
+def _scaled_seeds(roots: tuple[Any, ...], grads: list[Any], mults: Sequence[float]) -> list[Any] | None:
+    """Seeds multiplied by ``mults``; None when a seed cannot be made (let torch raise)."""
+    out = list(grads)
+    for r, m in enumerate(mults):
+        if m == 1.0:
+            continue
+        g = out[r]
+        if g is None:
+            t = roots[r]
+            if not isinstance(t, torch.Tensor) or t.numel() != 1:
+                return None
+            g = torch.ones_like(t, memory_format=torch.preserve_format)
+        out[r] = g * m
+    return out
+
+
+def _normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
+    if isinstance(tensors, (torch.Tensor, GradientEdge)):
+        roots: tuple[Any, ...] = (tensors,)
+    else:
+        roots = tuple(tensors)
+    if grad_tensors is None:
+        grads: list[Any] = [None] * len(roots)
+    elif isinstance(grad_tensors, torch.Tensor):
+        grads = [grad_tensors]
+    else:
+        grads = list(grad_tensors)
+    if len(grads) != len(roots):
+        return None
+    for t in roots:
+        if isinstance(t, GradientEdge):
+            continue
+        if not isinstance(t, torch.Tensor) or (t.grad_fn is None and not t.requires_grad):
+            return None
+    return roots, grads
+
+
+def governed_backward(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Any = None,
+) -> None:
+    """``torch.autograd.backward`` with every owned leaf scaled by its group's factor."""
+    state = _state
+
+    def passthrough(seeds: Any = grad_tensors) -> None:
+        ORIGINAL_BACKWARD(
+            tensors, seeds, retain_graph, create_graph, grad_variables=grad_variables, inputs=inputs
+        )
+
+    if state is None or grad_variables is not None:
+        return passthrough()
+    norm = _normalize(tensors, grad_tensors)
+    if norm is None:  # malformed call: torch's own error message is the right one
+        return passthrough()
+    roots, grads = norm
+    in_list = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else inputs)
+
+    current = torch._C._current_autograd_node()
+    if current is not None:
+        found = _find_outer(current)
+        if found is None:  # inside a fast-path or ungoverned backward: see NOTE [ Nested backward ]
+            return passthrough()
+        outer, p = found
+        return _run_planned(roots, grads, outer.state, outer.factors, p, p, in_list, passthrough)
+
+    if not _gas_scaling_enabled():
+        return passthrough()
+    factors = {g: g.factor() for g in state.groups}  # may raise: nothing touched yet
+    distinct = set(factors.values())
+    if state.raw:
+        if distinct <= {1.0}:
+            return passthrough()
+    elif len(distinct) <= 1:  # NOTE [ Fast path ]
+        f = distinct.pop() if distinct else 1.0
+        if f == 1.0:
+            return passthrough()
+        seeds = _scaled_seeds(roots, grads, [f] * len(roots))
+        if seeds is None:
+            return passthrough()
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("graphscale: fast path, %d root(s) scaled by %g, no walk", len(roots), f)
+        return passthrough(seeds)
+    return _run_planned(roots, grads, state, factors, 1.0, None, in_list, passthrough)
+
+
+def _run_planned(
+    roots: tuple[Any, ...],
+    grads: list[Any],
+    state: State,
+    factors: dict[Group, float],
+    base: float,
+    carrier: float | None,
+    inputs: Sequence[Any],
+    passthrough: Callable[..., None],
+) -> None:
+    t0 = time.perf_counter()
+    plan = build_plan(roots, state, factors, base=base, carrier=carrier, inputs=inputs)
+    seeds = _scaled_seeds(roots, grads, plan.seeds)
+    if seeds is None:
+        return passthrough()
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s",
+            len(plan.graph),
+            (time.perf_counter() - t0) * 1e6,
+            plan.multiplications,
+            sorted({f"{g.name}={f:g}" for g, f in factors.items()}),
+            f", nested at base {base:g}" if carrier is not None else "",
+        )
+    nodes = plan.graph.nodes
+    handles = []
+    entry = _Active(plan, factors, state)
+    try:
+        for i, mults in plan.edge_mults.items():
+            handles.append(nodes[i].register_hook(_post_hook(mults)))
+        with _active_lock:
+            _active.append(entry)
+        passthrough(seeds)
+    finally:
+        with _active_lock:
+            if entry in _active:
+                _active.remove(entry)
+        for h in handles:
+            h.remove()

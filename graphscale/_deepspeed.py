@@ -1,0 +1,149 @@
+"""DeepSpeed adapter: the only module that knows about deepspeed.
+
+# NOTE [ DeepSpeed's two generations ]
+# DeepSpeed divides by GAS in one of two places, by version:
+#   <= 0.19.5: engine.forward registers, through an OutputBackwardHookManager,
+#     a hook on every output tensor that calls
+#     engine._backward_prologue_per_tensor(grad) -> grad / GAS (unless the
+#     last engine.backward said scale_wrt_gas=False, a flag that sticks).
+#   >= 0.19.6 (PR 8245): engine.backward(loss) divides the loss by GAS and
+#     registers the running graph task, so that every engine's output hook
+#     skips its division; a direct loss.backward() keeps the hook division.
+# For each installed engine graphscale switches off both:
+#   * the output hooks: the engine's _backward_prologue_per_tensor is shadowed
+#     by an instance attribute that passes the gradient through while the
+#     engine is installed (forwards after install bind it); hook managers made
+#     by forwards *before* install are found once, at install, and pointed at
+#     the same function, so outputs made before install are exact too.  Once
+#     the engine is no longer installed that function calls DeepSpeed's own,
+#     so outputs made while installed and backpropagated after remove() get
+#     DeepSpeed's native behaviour;
+#   * the loss division: engine.backward is shadowed by a function that calls
+#     DeepSpeed's with scale_wrt_gas=False inside gas_scaling(scale_wrt_gas),
+#     and returns loss / GAS (or loss) as DeepSpeed does.
+# Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
+# reduction hooks, loss scaling, timers) runs untouched.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ._backward import gas_scaling
+from ._errors import GraphscaleError
+from ._group import Group
+
+__all__ = ["is_engine", "attach", "EngineGroup"]
+
+_lock = threading.Lock()
+_attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
+
+
+def is_engine(obj: Any) -> bool:
+    """True if ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
+    ds = sys.modules.get("deepspeed")
+    if ds is None:
+        return False
+    engine_type = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
+    return engine_type is not None and isinstance(obj, engine_type)
+
+
+def _is_pipeline(engine: Any) -> bool:
+    pipe = sys.modules.get("deepspeed.runtime.pipe.engine")
+    return pipe is not None and isinstance(engine, pipe.PipelineEngine)
+
+
+class EngineGroup(Group):
+    """The group of a DeepSpeed engine: its module's parameters, its GAS."""
+
+    __slots__ = ()
+
+    def __init__(self, engine: Any, name: str) -> None:
+        super().__init__(engine.module, gas=engine.gradient_accumulation_steps, name=name)
+        self._gas_key = ("engine", id(engine))
+
+
+class _EngineAdapter:
+    def __init__(self, engine: Any) -> None:
+        self.refs = 0
+        self.active = False
+        cls = type(engine)
+        native_per_tensor = cls._backward_prologue_per_tensor.__get__(engine, cls)
+        native_backward = cls.backward.__get__(engine, cls)
+        self._had_own = {n: n in engine.__dict__ for n in ("_backward_prologue_per_tensor", "backward")}
+        if any(self._had_own.values()):
+            raise GraphscaleError(
+                "graphscale: this engine's backward or _backward_prologue_per_tensor is already "
+                "replaced on the instance (by another tool?); graphscale cannot govern it safely."
+            )
+        adapter = self
+
+        def per_tensor(grad: Any) -> Any:
+            if adapter.active:
+                return grad  # graphscale places the factor at the engine's leaves
+            return native_per_tensor(grad)
+
+        def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+            if not adapter.active:
+                return native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
+            had_flag = hasattr(engine, "_scale_wrt_gas")
+            with gas_scaling(scale_wrt_gas):
+                native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+            if had_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
+                engine._scale_wrt_gas = scale_wrt_gas
+            return gas_scaled
+
+        backward.__doc__ = native_backward.__doc__
+        self.per_tensor: Callable[[Any], Any] = per_tensor
+        self.backward = backward
+
+    def enable(self, engine: Any) -> None:
+        engine._backward_prologue_per_tensor = self.per_tensor
+        engine.backward = self.backward
+        self.active = True
+        # Outputs of forwards run before install hold DeepSpeed's own bound method.
+        for obj in gc.get_objects():
+            fn = getattr(obj, "preprocess_per_tensor_fn", None) if type(obj).__name__ == "OutputBackwardHookManager" else None
+            if fn is not None and getattr(fn, "__self__", None) is engine and getattr(fn, "__func__", None) is not None:
+                obj.preprocess_per_tensor_fn = self.per_tensor
+
+    def disable(self, engine: Any) -> None:
+        self.active = False
+        for name in ("_backward_prologue_per_tensor", "backward"):
+            engine.__dict__.pop(name, None)
+
+
+def attach(engine: Any) -> tuple[EngineGroup, Callable[[], None]]:
+    """Govern ``engine``; return its group and a function that undoes this once."""
+    if _is_pipeline(engine):
+        raise TypeError(
+            "graphscale.install: PipelineEngine schedules its own micro-batches and calls backward "
+            "itself; graphscale does not govern it. Install the non-pipeline engines only."
+        )
+    with _lock:
+        adapter = _attached.get(id(engine))
+        if adapter is None:
+            adapter = _EngineAdapter(engine)
+            _attached[id(engine)] = adapter
+            adapter.enable(engine)
+        adapter.refs += 1
+    group = EngineGroup(engine, name=f"engine:{type(engine.module).__name__}#{id(engine) & 0xFFFF:04x}")
+    done = False
+
+    def detach() -> None:
+        nonlocal done
+        with _lock:
+            if done:
+                return
+            done = True
+            adapter.refs -= 1
+            if adapter.refs == 0:
+                adapter.disable(engine)
+                del _attached[id(engine)]
+
+    return group, detach
