@@ -1,0 +1,106 @@
+"""Shared test set-up: real DeepSpeed engines on the CPU accelerator (gloo),
+skipped cleanly where deepspeed is missing, and gradient oracles."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import graphscale
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+try:  # deepspeed is an optional extra: its tests skip without it
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401
+
+    HAVE_DEEPSPEED = True
+except Exception:  # pragma: no cover - depends on the environment
+    HAVE_DEEPSPEED = False
+
+require_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _no_installation_leaks() -> Any:
+    """Every test must leave torch exactly as it found it."""
+    yield
+    from graphscale import _backward, _install
+
+    leaked = list(_install._installations)
+    for inst in leaked:
+        inst.remove()
+    assert not leaked, f"test left installations active: {leaked}"
+    assert torch.autograd.backward is _backward.ORIGINAL_BACKWARD
+    assert not _backward._active, "a plan stayed registered after its backward"
+
+
+@pytest.fixture(scope="session")
+def ds_dist() -> None:
+    """One-rank gloo process group for every DeepSpeed test in this process."""
+    if not HAVE_DEEPSPEED:
+        pytest.skip("deepspeed is not installed")
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+def ds_config(gas: int, stage: int, bf16: bool = False, offload: bool = False) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+@pytest.fixture
+def make_engine(ds_dist: None) -> Callable[..., Any]:
+    """``make_engine(module, gas, stage, bf16=False, offload=False, lr=0.1)`` -> engine (SGD)."""
+    import deepspeed
+
+    def make(module: torch.nn.Module, gas: int, stage: int, bf16: bool = False, offload: bool = False,
+             lr: float = 0.1) -> Any:
+        opt = torch.optim.SGD(module.parameters(), lr=lr)
+        engine, *_ = deepspeed.initialize(model=module, optimizer=opt,
+                                          config=ds_config(gas, stage, bf16=bf16, offload=offload))
+        return engine
+
+    return make
+
+
+def full_grads(engine: Any) -> list[torch.Tensor]:
+    """Every parameter's full gradient, at any ZeRO stage."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
+
+
+def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest |got - want| / max|want| over a list of tensors (0 when equal)."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        scale = w.abs().max().item() or 1.0
+        worst = max(worst, (g.float() - w.float()).abs().max().item() / scale)
+    return worst
+
+
+__all__ = ["require_deepspeed", "ds_config", "full_grads", "max_rel_err", "graphscale"]
