@@ -45,7 +45,7 @@ from ._group import Group
 from ._plan import Plan, make_plan
 from ._walk import walk
 
-__all__ = ["governed_backward", "gas_scaling", "ORIGINAL_BACKWARD", "State", "build_plan"]
+__all__ = ["governed_backward", "gas_scaling", "ORIGINAL_BACKWARD", "State", "build_plan", "fast_path_factor"]
 
 _log = logging.getLogger("graphscale")
 
@@ -215,6 +215,23 @@ def _normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[A
     return roots, grads
 
 
+def fast_path_factor(state: State, factors: dict[Group, float]) -> float | None:
+    """The one factor a top-level backward multiplies every root seed by without
+    walking (1.0: it touches nothing), or None when it must walk and plan.
+    See NOTE [ Fast path ]; :func:`graphscale.explain` asks the same question."""
+    distinct = set(factors.values())
+    if state.raw:
+        return 1.0 if distinct <= {1.0} else None
+    if len(distinct) <= 1:
+        return distinct.pop() if distinct else 1.0
+    return None
+
+
+# An observer wraps every governed backward while set (graphscale.audit sets
+# it): observer(run, *backward_args) must call run(*backward_args) once.
+_observer: Callable[..., None] | None = None
+
+
 def governed_backward(
     tensors: Any,
     grad_tensors: Any = None,
@@ -224,6 +241,20 @@ def governed_backward(
     inputs: Any = None,
 ) -> None:
     """``torch.autograd.backward`` with every owned leaf scaled by its group's factor."""
+    observer = _observer
+    if observer is not None:
+        return observer(_governed_backward, tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+    return _governed_backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+
+
+def _governed_backward(
+    tensors: Any,
+    grad_tensors: Any,
+    retain_graph: bool | None,
+    create_graph: bool,
+    grad_variables: Any,
+    inputs: Any,
+) -> None:
     state = _state
 
     def passthrough(seeds: Any = grad_tensors) -> None:
@@ -250,19 +281,20 @@ def governed_backward(
     if not _gas_scaling_enabled():
         return passthrough()
     factors = {g: g.factor() for g in state.groups}  # may raise: nothing touched yet
-    distinct = set(factors.values())
-    if state.raw:
-        if distinct <= {1.0}:
-            return passthrough()
-    elif len(distinct) <= 1:  # NOTE [ Fast path ]
-        f = distinct.pop() if distinct else 1.0
+    f = fast_path_factor(state, factors)
+    if f is not None:  # NOTE [ Fast path ]
         if f == 1.0:
             return passthrough()
         seeds = _scaled_seeds(roots, grads, [f] * len(roots))
         if seeds is None:
             return passthrough()
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("graphscale: fast path, %d root(s) scaled by %g, no walk", len(roots), f)
+            _log.debug(
+                "graphscale: fast path, walked 0 nodes in 0 us, %d multiplication(s) (root seeds x %g), factors %s",
+                len(roots),
+                f,
+                sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
+            )
         return passthrough(seeds)
     return _run_planned(roots, grads, state, factors, 1.0, None, in_list, passthrough)
 
