@@ -27,6 +27,19 @@ the original, and removes every hook in a ``finally``.
 # node, not through thread-local state: CUDA backward runs nodes on autograd
 # worker threads.  Inside a fast-path backward everything already carries the
 # one factor, so a nested backward found in no walked plan runs untouched.
+#
+# NOTE [ Unowned leaves in nested backward ]
+# An unowned leaf may be reached by the outer backward and by nested ones
+# (an unowned layer used inside and outside a checkpointed segment, or in two
+# segments under different groups).  Left free, each plan would give it the
+# potential of its own surroundings and its gradient would mix factors, which
+# even unowned="any" forbids.  So a nested plan pins each unowned leaf to the
+# potential a running (enclosing) plan already gave its AccumulateGrad node;
+# an unowned Parameter that none has seen is pinned to 1, the same value in
+# every nested backward; an unseen non-Parameter leaf is a carrier (above).
+# Known limit: a requires-grad non-Parameter tensor that a checkpointed
+# function closes over, and that the outer graph never reaches, looks like a
+# carrier and gets the carrier's potential.
 """
 from __future__ import annotations
 
@@ -118,6 +131,17 @@ def _find_outer(node: Any) -> tuple[_Active, float] | None:
     return None
 
 
+def _enclosing_phi(node: Any) -> float | None:
+    """The potential a running plan gave ``node``, or None where none saw it."""
+    with _active_lock:
+        candidates = list(_active)
+    for act in reversed(candidates):
+        i = act.plan.graph.index.get(node)
+        if i is not None:
+            return act.plan.phi[i]
+    return None
+
+
 # ---------------------------------------------------------------- planning
 def _root_node(t: Any) -> Any:
     if isinstance(t, GradientEdge):
@@ -136,11 +160,16 @@ def build_plan(
     base: float = 1.0,
     carrier: float | None = None,
     inputs: Sequence[Any] = (),
+    outer_phi: Callable[[Any], float | None] | None = None,
 ) -> Plan:
     """Walk from ``roots`` and choose potentials (see NOTE [ Potentials ]).
 
     ``carrier``: in a nested backward, the potential that unowned
     non-Parameter leaves must end at (NOTE [ Nested backward ]).
+    ``outer_phi``: in a nested backward, the potential the enclosing plans gave
+    a node (None where they have not seen it); unowned leaves keep it, so each
+    gets one factor over the whole backward (NOTE [ Unowned leaves in nested
+    backward ]).
     """
     root_nodes = [_root_node(t) for t in roots]
     graph = walk(root_nodes)
@@ -151,9 +180,13 @@ def build_plan(
         g = owner.get(id(var))
         if g is not None:
             pins[i] = factors[g]
+            continue
+        seen = outer_phi(graph.nodes[i]) if outer_phi is not None else None
+        if seen is not None:
+            pins[i] = seen
         elif carrier is not None and not isinstance(var, torch.nn.Parameter):
             pins[i] = carrier
-        elif raw:
+        elif raw or carrier is not None:
             pins[i] = 1.0
     if raw:
         for t in inputs:  # non-leaf inputs= tensors receive .grad too
@@ -187,9 +220,15 @@ def _scaled_seeds(roots: tuple[Any, ...], grads: list[Any], mults: Sequence[floa
         g = out[r]
         if g is None:
             t = roots[r]
-            if not isinstance(t, torch.Tensor) or t.numel() != 1:
+            if isinstance(t, GradientEdge):  # implicit seed of a scalar edge, as torch makes it
+                md = t.node._input_metadata[t.output_nr]
+                if md.is_nested_tensor or torch.Size(md.shape).numel() != 1:
+                    return None
+                g = torch.ones(md.shape, dtype=md.dtype, device=md.device)
+            elif not isinstance(t, torch.Tensor) or t.numel() != 1:
                 return None
-            g = torch.ones_like(t, memory_format=torch.preserve_format)
+            else:
+                g = torch.ones_like(t, memory_format=torch.preserve_format)
         out[r] = g * m
     return out
 
@@ -310,7 +349,8 @@ def _run_planned(
     passthrough: Callable[..., None],
 ) -> None:
     t0 = time.perf_counter()
-    plan = build_plan(roots, state, factors, base=base, carrier=carrier, inputs=inputs)
+    outer_phi = _enclosing_phi if carrier is not None else None
+    plan = build_plan(roots, state, factors, base=base, carrier=carrier, inputs=inputs, outer_phi=outer_phi)
     seeds = _scaled_seeds(roots, grads, plan.seeds)
     if seeds is None:
         return passthrough()
