@@ -103,4 +103,49 @@ def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return worst
 
 
-__all__ = ["require_deepspeed", "ds_config", "full_grads", "max_rel_err", "graphscale"]
+def grad_mismatches(
+    plain: dict[str, torch.Tensor | None],
+    got: dict[str, torch.Tensor | None],
+    factor_of: dict[str, float],
+    unowned: str,
+    rtol: float = 1e-9,
+) -> list[str]:
+    """Every leaf whose gradient breaks graphscale's contract, as readable lines.
+
+    ``plain``: the gradients plain PyTorch gives (the oracle); ``got``: what the
+    governed run gave; ``factor_of``: 1/gas of each owned leaf (others are
+    unowned).  Owned leaves must be exactly ``factor * plain``; unowned ones
+    exactly ``plain`` under ``"raw"``, and ``c * plain`` for one ``c`` in
+    {1} and the factors in play under ``"any"``.
+    """
+    candidates = sorted({1.0, *factor_of.values()})
+    bad: list[str] = []
+
+    def close(g: torch.Tensor, w: torch.Tensor) -> bool:
+        if g.shape != w.shape:
+            return False
+        if w.numel() == 0:
+            return True
+        return (g.double() - w.double()).abs().max().item() <= rtol * w.abs().max().item()
+
+    for name in sorted(plain.keys() | got.keys()):
+        p, g = plain.get(name), got.get(name)
+        if p is None or g is None:
+            if (p is None) != (g is None):
+                bad.append(f"{name}: plain grad is {'None' if p is None else 'set'}, governed is "
+                           f"{'None' if g is None else 'set'}")
+            continue
+        if name in factor_of:
+            want = [factor_of[name]]
+        elif unowned == "raw":
+            want = [1.0]
+        else:
+            want = candidates
+        if not any(close(g, p * c) for c in want):
+            ratio = (g.double().norm() / p.double().norm().clamp_min(1e-300)).item()
+            bad.append(f"{name}: want plain x {' or '.join(f'{c:g}' for c in want)}, "
+                       f"got plain x ~{ratio:.6g} (max |diff| vs first: {(g - p * want[0]).abs().max().item():.3g})")
+    return bad
+
+
+__all__ = ["require_deepspeed", "ds_config", "full_grads", "max_rel_err", "grad_mismatches", "graphscale"]

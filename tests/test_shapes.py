@@ -1,0 +1,439 @@
+"""Every graph shape of issue 2, item 4, against a plain-PyTorch oracle.
+
+Each case runs the same program twice from the same seed: once plain, once
+with graphscale installed.  Owned leaves must get exactly ``plain / gas`` of
+their group; unowned leaves exactly ``plain`` under ``unowned="raw"`` and
+``plain`` times one factor in play under ``"any"`` (see ``grad_mismatches``).
+Every case also checks that the plain gradients themselves would fail that
+comparison, so a graphscale that did nothing could not pass.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils.checkpoint import checkpoint
+
+import graphscale
+from graphscale import _backward
+from conftest import grad_mismatches
+
+D = 4
+F64 = torch.float64
+
+
+class Mlp(nn.Module):
+    """A small group: ``sub(tanh(inp(x)))``; ``sub`` is called directly by some cases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D, dtype=F64)
+        self.sub = nn.Linear(D, D, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sub(torch.tanh(self.inp(x)))
+
+
+class World:
+    """Groups ``g[i]`` with ``gas[i]``; unowned: ``pre`` (a Linear), ``w`` (a
+    Parameter), ``x`` and ``y`` (input leaves that require grad)."""
+
+    def __init__(self, gas: tuple[Any, ...], seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.gas = gas
+        self.g = [Mlp() for _ in gas]
+        self.pre = nn.Linear(D, D, dtype=F64)
+        self.w = nn.Parameter(torch.randn(D, D, dtype=F64))
+        self.x = torch.randn(3, D, dtype=F64, requires_grad=True)
+        self.y = torch.randn(3, D, dtype=F64, requires_grad=True)
+
+    def leaves(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for i, m in enumerate(self.g):
+            for n, p in m.named_parameters():
+                out[f"g{i}.{n}"] = p
+        for n, p in self.pre.named_parameters():
+            out[f"pre.{n}"] = p
+        out["w"], out["x"], out["y"] = self.w, self.x, self.y
+        return out
+
+    def groups(self) -> list[graphscale.Group]:
+        return [graphscale.Group(m, gas=s, name=f"g{i}") for i, (m, s) in enumerate(zip(self.g, self.gas))]
+
+    def factor_of(self) -> dict[str, float]:
+        out = {}
+        for i, m in enumerate(self.g):
+            gas = self.gas[i]() if callable(self.gas[i]) else self.gas[i]
+            for n, _ in m.named_parameters():
+                out[f"g{i}.{n}"] = 1.0 / gas
+        return out
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=F64)
+
+
+Program = Callable[[World], "dict[str, torch.Tensor] | None"]
+
+
+def _grads(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    return {k: (None if t.grad is None else t.grad.detach().clone()) for k, t in tensors.items()}
+
+
+def run_plain_and_governed(program: Program, gas: tuple[int, ...], unowned: str) -> None:
+    """Run ``program`` plain and governed; assert the contract, and that it is not vacuous."""
+    plain_world = World(gas)
+    plain_extra = program(plain_world) or {}
+    plain = {**_grads(plain_world.leaves()), **_grads(plain_extra)}
+
+    world = World(gas)
+    with graphscale.install(*world.groups(), unowned=unowned):
+        extra = program(world) or {}
+    got = {**_grads(world.leaves()), **_grads(extra)}
+
+    factor_of = world.factor_of()
+    bad = grad_mismatches(plain, got, factor_of, unowned)
+    assert not bad, "gradients differ from the oracle:\n  " + "\n  ".join(bad)
+    # A graphscale that did nothing would hand back the plain gradients: they must fail.
+    assert grad_mismatches(plain, plain, factor_of, unowned), "case cannot tell graphscale from no-op"
+
+
+# ---------------------------------------------------------------- custom Functions
+class Cube(torch.autograd.Function):
+    """x**3 with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+class Recompute(torch.autograd.Function):
+    """``module(x)`` run without grad; its backward recomputes and calls
+    ``torch.autograd.backward`` seeded with ``seed_scale * grad`` (a nested
+    backward, like reentrant checkpointing)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, seed_scale: float) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.module, ctx.seed_scale = module, seed_scale
+        with torch.no_grad():
+            return module(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            out = ctx.module(xd)
+        torch.autograd.backward(out, grad * ctx.seed_scale)
+        return xd.grad * ctx.seed_scale if ctx.seed_scale != 1 else xd.grad, None, None
+
+
+# ---------------------------------------------------------------- the shapes
+def sum_of_groups(w: World) -> None:
+    (w.g[0](w.x) + w.g[1](w.x)).sum().backward()
+
+
+def product_of_groups(w: World) -> None:
+    (w.g[0](w.x) * w.g[1](w.x)).sum().backward()
+
+
+def sum_and_product_of_three(w: World) -> None:
+    (w.g[0](w.x) * w.g[1](w.x) + w.g[2](w.y)).sum().backward()
+
+
+def nested(w: World) -> None:
+    w.g[0](w.g[1](w.x)).sum().backward()
+
+
+def nested_three_deep_with_skip(w: World) -> None:
+    h = w.g[2](w.x)
+    (w.g[0](w.g[1](h) + h)).sum().backward()
+
+
+def submodule_called_directly(w: World) -> None:
+    (w.g[0](w.x) + w.g[0].sub(w.y)).sum().backward()
+
+
+def submodule_called_directly_next_to_other_group(w: World) -> None:
+    (w.g[0](w.x) + w.g[0].sub(w.y) * w.g[1](w.y)).sum().backward()
+
+
+def shared_upstream_tensor(w: World) -> None:
+    h = torch.tanh(w.pre(w.x))
+    (w.g[0](h) + w.g[1](h) * w.g[2](h)).sum().backward()
+
+
+def shared_unowned_parameter(w: World) -> None:
+    (w.g[0](w.x @ w.w) + w.g[1](w.y @ w.w.t())).sum().backward()
+
+
+def detach(w: World) -> None:
+    h = w.g[0](w.x)
+    (h + w.g[1](h.detach()) + w.g[2](w.g[1](w.y).detach())).sum().backward()
+
+
+def checkpoint_reentrant(w: World) -> None:
+    h = w.pre(w.x)
+    out = w.g[0](checkpoint(w.g[1], h, use_reentrant=True))
+    (out + checkpoint(w.g[2], w.g[0](w.y), use_reentrant=True)).sum().backward()
+
+
+def checkpoint_reentrant_with_unowned_inside(w: World) -> None:
+    def seg(h: torch.Tensor) -> torch.Tensor:
+        return w.g[1](w.pre(h) @ w.w)
+
+    (w.g[0](checkpoint(seg, w.x, use_reentrant=True)) + w.pre(w.y) @ w.w).sum().backward()
+
+
+def checkpoint_reentrant_unowned_shared_across_regions(w: World) -> None:
+    """``pre`` is used inside a checkpoint below g0 and outside it below g1."""
+
+    def seg(h: torch.Tensor) -> torch.Tensor:
+        return w.g[1](w.pre(h) @ w.w)
+
+    (w.g[0](checkpoint(seg, w.x, use_reentrant=True)) + w.g[1](w.pre(w.y) @ w.w)).sum().backward()
+
+
+def checkpoint_reentrant_in_two_regions(w: World) -> None:
+    """The same unowned layer checkpointed below g0 and below g1."""
+    a = w.g[0](checkpoint(w.pre, w.x, use_reentrant=True))
+    b = w.g[1](checkpoint(w.pre, w.y, use_reentrant=True))
+    (a + b).sum().backward()
+
+
+def checkpoint_non_reentrant(w: World) -> None:
+    h = w.pre(w.x)
+    out = w.g[0](checkpoint(w.g[1], h, use_reentrant=False))
+    (out + checkpoint(w.g[2], w.g[0](w.y), use_reentrant=False)).sum().backward()
+
+
+def custom_function(w: World) -> None:
+    (w.g[0](Cube.apply(w.g[1](w.x))) + Cube.apply(w.g[0](w.y))).sum().backward()
+
+
+def custom_function_nested_backward(w: World) -> None:
+    (w.g[0](Recompute.apply(w.g[1](w.x), w.g[2], 1.0)) + w.g[1](w.y)).sum().backward()
+
+
+def custom_function_nested_backward_scaled_seed(w: World) -> None:
+    h = Recompute.apply(w.pre(w.x), w.g[1], 2.0)
+    (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.pre, 2.0)).sum().backward()
+
+
+def several_roots(w: World) -> None:
+    torch.autograd.backward([w.g[0](w.x).sum(), (w.g[1](w.x) * w.g[0](w.y)).sum(), w.g[1](w.y).mean()])
+
+
+def non_scalar_roots_with_grad_tensors(w: World) -> None:
+    a, b = w.g[0](w.x), w.g[1](w.g[0](w.y))
+    torch.autograd.backward([a, b], [w.randn(*a.shape), w.randn(*b.shape)])
+
+
+def inputs_leaves(w: World) -> None:
+    loss = (w.g[0](w.x) + w.g[1](w.x)).sum()
+    torch.autograd.backward(loss, inputs=[w.g[0].inp.weight, w.g[1].sub.bias, w.x])
+
+
+def inputs_non_leaf(w: World) -> dict[str, torch.Tensor]:
+    h = w.pre(w.x)
+    loss = (w.g[0](h) * w.g[1](h)).sum()
+    torch.autograd.backward(loss, inputs=[h, w.g[1].inp.weight])
+    return {"h(non-leaf input)": h}
+
+
+def retained_graph_second_backward(w: World) -> None:
+    loss = (w.g[0](w.g[1](w.x)) + w.g[1](w.y)).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def root_is_a_leaf(w: World) -> None:
+    loss = (w.g[0](w.x) + w.g[1](w.x)).sum()
+    bias = w.g[1].sub.bias
+    torch.autograd.backward([loss, bias, w.y], [None, w.randn(*bias.shape), w.randn(*w.y.shape)])
+
+
+def root_is_only_a_leaf(w: World) -> None:
+    torch.autograd.backward([w.g[0].sub.weight, w.g[1].inp.bias], [w.randn(D, D), w.randn(D)])
+
+
+def gradient_edge_root(w: World) -> None:
+    a = w.g[0](w.x) + w.g[1](w.x)
+    torch.autograd.backward(get_gradient_edge(a), w.randn(*a.shape))
+
+
+def gradient_edge_root_implicit_seed(w: World) -> None:
+    loss = (w.g[0](w.x) * w.g[1](w.y)).sum()
+    torch.autograd.backward(get_gradient_edge(loss))
+
+
+CASES = [
+    pytest.param(sum_of_groups, (2, 4), id="sum_of_groups"),
+    pytest.param(product_of_groups, (2, 4), id="product_of_groups"),
+    pytest.param(sum_and_product_of_three, (2, 4, 3), id="sum_and_product_of_three"),
+    pytest.param(nested, (2, 4), id="nested"),
+    pytest.param(nested, (4, 1), id="nested_inner_gas_1"),
+    pytest.param(nested_three_deep_with_skip, (2, 4, 8), id="nested_three_deep_with_skip"),
+    pytest.param(submodule_called_directly, (2,), id="submodule_called_directly"),
+    pytest.param(submodule_called_directly_next_to_other_group, (2, 4),
+                 id="submodule_called_directly_next_to_other_group"),
+    pytest.param(shared_upstream_tensor, (2, 4, 8), id="shared_upstream_tensor"),
+    pytest.param(shared_unowned_parameter, (2, 4), id="shared_unowned_parameter"),
+    pytest.param(detach, (2, 4, 3), id="detach"),
+    pytest.param(checkpoint_reentrant, (2, 4, 8), id="checkpoint_reentrant"),
+    pytest.param(checkpoint_reentrant_with_unowned_inside, (2, 4),
+                 id="checkpoint_reentrant_with_unowned_inside"),
+    pytest.param(checkpoint_reentrant_unowned_shared_across_regions, (2, 4),
+                 id="checkpoint_reentrant_unowned_shared_across_regions"),
+    pytest.param(checkpoint_reentrant_in_two_regions, (2, 4), id="checkpoint_reentrant_in_two_regions"),
+    pytest.param(checkpoint_non_reentrant, (2, 4, 8), id="checkpoint_non_reentrant"),
+    pytest.param(custom_function, (2, 4), id="custom_function"),
+    pytest.param(custom_function_nested_backward, (2, 4, 8), id="custom_function_nested_backward"),
+    pytest.param(custom_function_nested_backward_scaled_seed, (2, 4),
+                 id="custom_function_nested_backward_seeded_with_2_grad"),
+    pytest.param(several_roots, (2, 4), id="several_roots"),
+    pytest.param(non_scalar_roots_with_grad_tensors, (2, 4), id="non_scalar_roots_with_grad_tensors"),
+    pytest.param(inputs_leaves, (2, 4), id="inputs_leaves"),
+    pytest.param(inputs_non_leaf, (2, 4), id="inputs_non_leaf"),
+    pytest.param(retained_graph_second_backward, (2, 4), id="retained_graph_second_backward"),
+    pytest.param(root_is_a_leaf, (2, 4), id="root_is_a_leaf"),
+    pytest.param(root_is_only_a_leaf, (2, 4), id="root_is_only_a_leaf"),
+    pytest.param(root_is_only_a_leaf, (4, 4), id="root_is_only_a_leaf_fast_path"),
+    pytest.param(gradient_edge_root, (2, 4), id="gradient_edge_root"),
+    pytest.param(gradient_edge_root_implicit_seed, (2, 4), id="gradient_edge_root_implicit_seed"),
+    pytest.param(gradient_edge_root_implicit_seed, (4, 4), id="gradient_edge_root_implicit_seed_fast_path"),
+]
+
+
+@pytest.mark.parametrize("unowned", ["any", "raw"])
+@pytest.mark.parametrize("program, gas", CASES)
+def test_shape_matches_plain_oracle_scaled_per_group(program: Program, gas: tuple[int, ...], unowned: str) -> None:
+    run_plain_and_governed(program, gas, unowned)
+
+
+# ---------------------------------------------------------------- create_graph
+@pytest.mark.parametrize("unowned", ["any", "raw"])
+def test_create_graph_scaled_grads_stay_differentiable(unowned: str) -> None:
+    gas = (2, 4)
+
+    def first_and_second_order(world: World, governed: bool) -> dict[str, torch.Tensor | None]:
+        owned = {k: t for k, t in world.leaves().items() if k in world.factor_of()}
+        (world.g[0](world.g[1](world.x)) * world.g[1](world.y)).sum().backward(create_graph=True)
+        torch.manual_seed(1)
+        probes = {k: torch.randn_like(t) for k, t in owned.items()}
+        factor_of = world.factor_of()
+        # governed: p.grad already carries 1/gas; plain: apply it by hand (the oracle).
+        objective = sum(
+            ((t.grad if governed else t.grad * factor_of[k]) * probes[k]).sum() for k, t in owned.items()
+        )
+        leaves = world.leaves()
+        second = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
+        out = {f"d2/{k}": (None if s is None else s.detach()) for k, s in zip(leaves, second)}
+        for k, t in owned.items():
+            assert t.grad is not None and t.grad.requires_grad, f"{k}.grad is not differentiable"
+            out[f"d1/{k}"] = t.grad.detach().clone()
+        for t in leaves.values():
+            t.grad = None
+        return out
+
+    plain = first_and_second_order(World(gas), governed=False)
+    world = World(gas)
+    with graphscale.install(*world.groups(), unowned=unowned):
+        got = first_and_second_order(world, governed=True)
+    # First order: owned leaves get plain/gas. Second order: both sides already hold the factors.
+    factor_of = {f"d1/{k}": f for k, f in world.factor_of().items()}
+    want = {k: v for k, v in plain.items()}
+    for k in list(want):
+        if k.startswith("d2/"):
+            factor_of[k] = 1.0
+    bad = grad_mismatches(want, got, factor_of, "raw")
+    assert not bad, "create_graph gradients differ from the oracle:\n  " + "\n  ".join(bad)
+    assert grad_mismatches(want, {k: v for k, v in plain.items()}, factor_of, "raw")
+
+
+# ---------------------------------------------------------------- gas changing
+@pytest.mark.parametrize("unowned", ["any", "raw"])
+def test_callable_gas_is_read_at_every_backward(unowned: str) -> None:
+    steps = [(2, 4), (8, 1), (3, 3)]
+    now = {"i": 0}
+    gas = (lambda: steps[now["i"]][0], lambda: steps[now["i"]][1])
+
+    def step(world: World) -> None:
+        (world.g[0](world.x) + world.g[1](world.g[0](world.y))).sum().backward()
+
+    plain_world = World(gas)
+    plain_steps = []
+    for i in range(len(steps)):
+        step(plain_world)
+        plain_steps.append(_grads(plain_world.leaves()))
+        for t in plain_world.leaves().values():
+            t.grad = None
+
+    world = World(gas)
+    with graphscale.install(*world.groups(), unowned=unowned):
+        for i in range(len(steps)):
+            now["i"] = i
+            step(world)  # grads accumulate over the steps, each with that step's gas
+    got = _grads(world.leaves())
+    want: dict[str, torch.Tensor | None] = {}
+    for k in got:
+        owner = k.split(".")[0]
+        if owner in ("g0", "g1"):
+            want[k] = sum(ps[k] / steps[i][int(owner[1])] for i, ps in enumerate(plain_steps))
+        else:
+            want[k] = sum(ps[k] for ps in plain_steps) if plain_steps[0][k] is not None else None
+    owned = {k: 1.0 for k in got if k.startswith("g")}
+    if unowned == "raw":
+        bad = grad_mismatches(want, got, owned, "raw")
+    else:  # each step may give unowned leaves a different single factor: check owned leaves only
+        bad = grad_mismatches({k: want[k] for k in owned}, {k: got[k] for k in owned}, owned, "raw")
+    assert not bad, "callable gas not honoured per backward:\n  " + "\n  ".join(bad)
+    # The same gas everywhere (the first step's) would be wrong:
+    first = {k: (sum(ps[k] for ps in plain_steps) / steps[0][int(k[1])]) for k in owned}
+    assert grad_mismatches(first, {k: got[k] for k in owned}, owned, "raw")
+
+
+# ---------------------------------------------------------------- factor 1 is free
+@pytest.mark.parametrize("unowned", ["any", "raw"])
+def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All groups at gas 1: no walk, no seed multiplication, no node hook, and
+    nested backwards (checkpoint, custom Function) pass straight through."""
+    calls: list[str] = []
+
+    def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls.append(name)
+            return real(*a, **k)
+
+        return wrapped
+
+    for name in ("build_plan", "_scaled_seeds", "_post_hook", "_run_planned"):
+        monkeypatch.setattr(_backward, name, spy(name, getattr(_backward, name)))
+
+    def program(w: World) -> None:
+        h = checkpoint(w.g[1], w.pre(w.x), use_reentrant=True)
+        (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.g[1], 2.0)).sum().backward()
+
+    plain_world = World((1, 1))
+    program(plain_world)
+    world = World((1, 1))
+    with graphscale.install(*world.groups(), unowned=unowned):
+        program(world)
+    assert calls == [], f"factor 1 should cost nothing, but graphscale ran: {calls}"
+    bad = grad_mismatches(_grads(plain_world.leaves()), _grads(world.leaves()), world.factor_of(), "raw")
+    assert not bad, "\n  ".join(bad)
+    # The spies do see work once a factor differs from 1 (so the test can fail):
+    world = World((1, 2))
+    with graphscale.install(*world.groups(), unowned=unowned):
+        program(world)
+    assert "_run_planned" in calls
