@@ -322,6 +322,7 @@ def test_shape_matches_plain_oracle_scaled_per_group(program: Program, gas: tupl
 
 
 # ---------------------------------------------------------------- create_graph
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
 @pytest.mark.parametrize("unowned", ["any", "raw"])
 def test_create_graph_scaled_grads_stay_differentiable(unowned: str) -> None:
     gas = (2, 4)
@@ -437,3 +438,79 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
     with graphscale.install(*world.groups(), unowned=unowned):
         program(world)
     assert "_run_planned" in calls
+
+
+# ---------------------------------------------------------------- walk size and multiplications
+def _reachable(root: Any) -> int:
+    """Nodes reachable from ``root``, counted independently of graphscale's walker."""
+    seen, stack = {root}, [root]
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return len(seen)
+
+
+def two_groups_sum(w: World, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (w.g[0](x) + w.g[1](x)).sum()
+
+
+def two_groups_nested(w: World, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return w.g[0](w.g[1](x)).sum()
+
+
+def group_and_its_submodule(w: World, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (w.g[0](x) + w.g[0].sub(y)).sum()
+
+
+# Inputs without grad (data): one multiplication per group region entered,
+# the seed counting for the region at the root.  An unowned input that
+# requires grad and is reached from two regions needs one more (its single
+# factor must be restored on one of the two paths); none can be saved there.
+@pytest.mark.parametrize(
+    "loss_of, gas, unowned, inputs_require_grad, multiplications",
+    [
+        pytest.param(two_groups_sum, (2, 4), "any", False, 2, id="g1(x)+g2(x)"),
+        pytest.param(two_groups_sum, (2, 4), "any", True, 3, id="g1(x)+g2(x)_x_requires_grad"),
+        pytest.param(two_groups_nested, (2, 4), "any", False, 2, id="g1(g2(x))"),
+        pytest.param(two_groups_nested, (2, 4), "any", True, 2, id="g1(g2(x))_x_requires_grad"),
+        pytest.param(two_groups_sum, (1, 2), "any", False, 1, id="g1(x)+g2(x)_g1_at_gas_1"),
+        pytest.param(two_groups_nested, (1, 2), "any", False, 1, id="g1(g2(x))_g1_at_gas_1"),
+        pytest.param(group_and_its_submodule, (2,), "raw", False, 1, id="g(x)+g.sub(y)_walked_under_raw"),
+    ],
+)
+def test_walk_visits_each_node_once_and_multiplies_once_per_group_boundary(
+    loss_of: Callable[..., torch.Tensor], gas: tuple[int, ...], unowned: str, inputs_require_grad: bool,
+    multiplications: int,
+) -> None:
+    world = World(gas)
+    x, y = (world.x, world.y) if inputs_require_grad else (world.x.detach(), world.y.detach())
+    loss = loss_of(world, x, y)
+    with graphscale.install(*world.groups(), unowned=unowned):
+        state = _backward.current_state()
+        assert state is not None
+        factors = {g: g.factor() for g in state.groups}
+        assert _backward.fast_path_factor(state, factors) is None  # these backwards walk
+        plan = _backward.build_plan([loss], state, factors)
+    assert len(plan.graph) == _reachable(loss.grad_fn)
+    assert plan.multiplications == multiplications
+
+
+def test_group_and_its_submodule_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``g(x) + g.sub(y)`` with one group: no walk, one multiplication (the seed)."""
+    walked: list[Any] = []
+    seed_mults: list[float] = []
+    real_seeds = _backward._scaled_seeds
+    monkeypatch.setattr(_backward, "_run_planned", lambda *a, **k: walked.append(a))
+
+    def seeds(roots: Any, grads: Any, mults: Any) -> Any:
+        seed_mults.extend(m for m in mults if m != 1.0)
+        return real_seeds(roots, grads, mults)
+
+    monkeypatch.setattr(_backward, "_scaled_seeds", seeds)
+    world = World((4,))
+    with graphscale.install(*world.groups()):
+        group_and_its_submodule(world, world.x.detach(), world.y.detach()).backward()
+    assert walked == []
+    assert seed_mults == [0.25]
