@@ -14,9 +14,14 @@ any graph and any backward style.
 """
 from __future__ import annotations
 
+from ._audit import Audit, AuditError, audit
 from ._errors import ConfigurationError, GraphscaleError
+from ._explain import ExplainedPlan, explain
 from ._group import Group
 from ._install import Installation, install
 
-__all__ = ["Group", "install", "Installation", "GraphscaleError", "ConfigurationError"]
+__all__ = [
+    "Group", "install", "Installation", "GraphscaleError", "ConfigurationError",
+    "explain", "ExplainedPlan", "audit", "Audit", "AuditError",
+]
 __version__ = "0.1.0"

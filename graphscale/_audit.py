@@ -1,0 +1,360 @@
+"""``graphscale.audit``: check every governed backward against a plain reference.
+
+# NOTE [ Audit reference ]
+# Inside an audit, each top-level governed backward first computes the plain
+# gradient g of every leaf it will reach, with torch.autograd.grad(roots,
+# inputs=leaves, retain_graph=True), *before* graphscale registers any hook of
+# its own: the reference runs on the same graph with graphscale's
+# multiplications absent.  It asks for the leaves as inputs, so no
+# AccumulateGrad node runs: nothing is accumulated and no hook that DeepSpeed
+# keeps on parameters (ZeRO reduction) fires.  DeepSpeed's output hooks do
+# fire: their per-tensor GAS division is switched off for installed engines
+# (NOTE [ DeepSpeed's two generations ]), and their once-per-backward prologue
+# (timers, ZeRO bookkeeping, the queued epilogue) is held back for the
+# reference by marking the pending hook managers done for its duration.  Then
+# the real backward runs, and each leaf's .grad change is compared with
+# factor x g, factor = 1 / gas() read independently of the planner, so a wrong
+# plan, a wrong seed or a wrong factor all show.  The leaves are found by the
+# audit's own walk, not by the planner's.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import _backward
+from ._errors import GraphscaleError
+from ._group import Group
+
+__all__ = ["audit", "Audit", "AuditError", "Mismatch"]
+
+_log = logging.getLogger("graphscale")
+
+UNOWNED = "(unowned)"
+
+
+class AuditError(GraphscaleError):
+    """A governed backward gave some leaf a gradient other than factor x plain gradient."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One leaf whose gradient in one backward was not its factor x the plain gradient.
+
+    ``observed`` is the factor that best explains what it received,
+    ``<delta, g> / <g, g>`` (nan where g is zero).
+    """
+
+    backward: int
+    group: str
+    parameter: str
+    shape: tuple[int, ...]
+    expected: float
+    observed: float
+    max_abs_err: float
+
+    def __str__(self) -> str:
+        return (
+            f"backward {self.backward}: group {self.group!r} parameter {self.parameter!r} {self.shape}: "
+            f"got {self.observed:.6g} x its plain gradient, expected {self.expected:g} "
+            f"(max abs error {self.max_abs_err:.3g})"
+        )
+
+
+@dataclass
+class _GroupStats:
+    factor: float = float("nan")
+    leaves: int = 0
+    backwards: int = 0
+    got_sq: float = 0.0  # last backward's squared gradient norm
+    want_sq: float = 0.0
+    worst_rel: float = 0.0
+    mismatches: int = 0
+
+
+@dataclass
+class Audit:
+    """The handle of :func:`audit`: a context manager and its report.
+
+    ``backwards``: governed backwards audited so far.  ``mismatches``: every
+    :class:`Mismatch` found.  ``ok``: no mismatch.  :meth:`report` (also
+    ``str(handle)``) is a per-group table: the factor, the leaves checked, the
+    gradient norm the last backward gave the group's leaves and the norm it
+    should have given, and the worst relative error seen.
+    """
+
+    rtol: float
+    atol: float
+    raise_on_error: bool
+    backwards: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    _stats: dict[str, _GroupStats] = field(default_factory=dict, repr=False)
+    _prev: Any = field(default=None, repr=False)
+    _entered: bool = field(default=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def __enter__(self) -> Audit:
+        if self._entered:
+            raise GraphscaleError("graphscale.audit: this audit is already active; make a new one with audit().")
+        self._entered = True
+        self._prev = _backward._observer
+        _backward._observer = self._observe
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _backward._observer = self._prev
+        self._prev = None
+
+    def report(self) -> str:
+        lines = [
+            f"graphscale audit: {self.backwards} backward(s), {len(self.mismatches)} mismatch(es) "
+            f"(rtol={self.rtol:g}, atol={self.atol:g})"
+        ]
+        rows = [["group", "factor", "leaves", "backwards", "grad norm (last)", "expected", "worst rel err"]]
+        for name, s in self._stats.items():
+            rows.append([
+                name, f"{s.factor:g}", str(s.leaves), str(s.backwards), f"{math.sqrt(s.got_sq):.6g}",
+                f"{math.sqrt(s.want_sq):.6g}", f"{s.worst_rel:.3g}",
+            ])
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        lines += [f"  {m}" for m in self.mismatches]
+        return "\n".join(lines)
+
+    __str__ = report
+
+    # ------------------------------------------------------------ the check
+    def _observe(self, run: Callable[..., None], tensors: Any, grad_tensors: Any, retain_graph: Any,
+                 create_graph: bool, grad_variables: Any, inputs: Any) -> None:
+        args = (tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+        state = _backward.current_state()
+        if state is None or grad_variables is not None or torch._C._current_autograd_node() is not None:
+            return run(*args)  # nested backwards are checked as part of the outer one
+        norm = _backward._normalize(tensors, grad_tensors)
+        if norm is None:
+            return run(*args)  # torch raises its own error
+        roots, grads = norm
+        _check_supported(state.groups)
+        scaling = _backward._gas_scaling_enabled()
+        factors = {g: (1.0 / g.gas() if scaling else 1.0) for g in state.groups}
+        leaves = _leaves(roots, inputs)
+        if not leaves:
+            return run(*args)
+        try:
+            with _deepspeed_prologues_held():
+                ref = torch.autograd.grad(roots, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
+        except RuntimeError as exc:
+            raise GraphscaleError(
+                "graphscale.audit: could not compute the plain reference gradient with torch.autograd.grad "
+                f"({exc}). Reentrant activation checkpointing does not support it; audit with "
+                "use_reentrant=False, or outside the checkpointed model."
+            ) from exc
+        before = [None if p.grad is None else p.grad.detach().clone() for p in leaves]
+        run(*args)
+        self.backwards += 1
+        self._compare(state, factors, leaves, ref, before)
+
+    def _compare(self, state: _backward.State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
+                 ref: Sequence[torch.Tensor | None], before: Sequence[torch.Tensor | None]) -> None:
+        n = self.backwards
+        # rows: (group, parameter, delta of .grad, plain gradient, rounding slack, factor or None)
+        rows: list[tuple[str, str, torch.Tensor, torch.Tensor, float, float | None]] = []
+        for p, g, b in zip(leaves, ref, before):
+            after = p.grad
+            owner = state.owner.get(id(p))
+            name = owner._param_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
+            gg = torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
+            if after is None:
+                if g is not None and bool(gg.any()):
+                    raise GraphscaleError(
+                        f"graphscale.audit: parameter {name!r} (group {owner.name if owner else UNOWNED!r}) "
+                        "has no .grad after backward although its plain gradient is nonzero: something moved "
+                        "it (DeepSpeed ZeRO reduction, a bf16 optimizer's hooks). audit supports plain groups "
+                        "and DeepSpeed engines at ZeRO stage 0 and 1 in fp32."
+                    )
+                delta = torch.zeros_like(gg)
+            else:
+                delta = after.detach().double() - (0.0 if b is None else b.double())
+            slack = 0.0
+            if b is not None and b.numel() and b.is_floating_point():
+                slack = 4 * torch.finfo(b.dtype).eps * float(b.abs().max())
+            rows.append((owner.name if owner else UNOWNED, name, delta, gg, slack,
+                         factors[owner] if owner else None))
+        # Unowned leaves: exactly g under unowned="raw"; otherwise one factor for all of them.
+        unowned = [r for r in rows if r[5] is None]
+        if unowned:
+            if state.raw:
+                cands = [1.0]
+            else:
+                cands = sorted({1.0, *factors.values()}, reverse=True)
+            best = min(cands, key=lambda c: max(self._err(d, c * g, s) for _, _, d, g, s, _ in unowned))
+            rows = [r if r[5] is not None else r[:5] + (best,) for r in rows]
+        found: list[Mismatch] = []
+        seen_groups: dict[str, tuple[float, float, float, int]] = {}
+        for group, name, delta, g, slack, f in rows:
+            want = f * g  # type: ignore[operator]
+            err = float((delta - want).abs().max()) if delta.numel() else 0.0
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            got_sq, want_sq, worst, count = seen_groups.get(group, (0.0, 0.0, 0.0, 0))
+            rel = err / scale if scale else (0.0 if err == 0 else math.inf)
+            seen_groups[group] = (got_sq + float((delta * delta).sum()), want_sq + float((want * want).sum()),
+                                  max(worst, rel), count + 1)
+            if err > self.atol + self.rtol * scale + slack:
+                gn = float((g * g).sum())
+                observed = float((delta * g).sum()) / gn if gn else math.nan
+                found.append(Mismatch(n, group, name, tuple(delta.shape), float(f), observed, err))  # type: ignore[arg-type]
+        order = [g.name for g in state.groups if g.name in seen_groups] + [UNOWNED] * (UNOWNED in seen_groups)
+        for group in order:
+            got_sq, want_sq, worst, count = seen_groups[group]
+            s = self._stats.setdefault(group, _GroupStats())
+            f_now = next((f for grp, _, _, _, _, f in rows if grp == group), math.nan)
+            s.factor, s.leaves, s.backwards = float(f_now), count, s.backwards + 1  # type: ignore[arg-type]
+            s.got_sq, s.want_sq, s.worst_rel = got_sq, want_sq, max(s.worst_rel, worst)
+            s.mismatches += sum(1 for m in found if m.group == group)
+        if not found:
+            return
+        self.mismatches.extend(found)
+        text = "\n  ".join(str(m) for m in found)
+        if self.raise_on_error:
+            raise AuditError(
+                f"graphscale: audit found {len(found)} gradient(s) that are not their group's factor x the plain "
+                f"gradient:\n  {text}\nInspect the plan with graphscale.explain(...) on the same roots."
+            )
+        _log.warning("graphscale: audit found %d mismatching gradient(s):\n  %s", len(found), text)
+
+    @staticmethod
+    def _err(delta: torch.Tensor, want: torch.Tensor, slack: float) -> float:
+        return float((delta - want).abs().max()) - slack if delta.numel() else 0.0
+
+
+def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -> Audit:
+    """Check every governed backward inside the block against a plain reference.
+
+    Each top-level governed backward (``loss.backward()``,
+    ``torch.autograd.backward``, ``engine.backward``) run inside the block
+    first computes every reached leaf's plain gradient g (see
+    NOTE [ Audit reference ]), then runs as usual, then checks that each
+    leaf's ``.grad`` grew by exactly ``factor(G) x g`` for its group G
+    (``factor = 1 / gas``, or 1 under ``scale_wrt_gas=False``); leaves no
+    group owns must have grown by ``g`` (``unowned="raw"``) or all by one
+    factor in play (``"any"``).  A leaf fails when
+    ``max|delta - factor*g| > atol + rtol * max|factor*g|`` (plus rounding
+    slack for the ``.grad`` it accumulated into).
+
+    Args:
+        rtol, atol: tolerances, as above.
+        raise_on_error: raise :class:`AuditError` after the first backward
+            with a failing leaf, naming every failing group and parameter;
+            with False, log a warning and keep them in ``handle.mismatches``.
+
+    Returns:
+        An :class:`Audit` handle; ``print(handle)`` is the per-group
+        gradient-norm report.
+
+    Costs about one extra backward per backward, a copy of the reached
+    leaves' ``.grad``, and, while deepspeed is imported, a scan of live
+    objects per backward (NOTE [ Audit reference ]).  Nested backwards
+    (reentrant checkpointing) are checked as part of the outer one, which
+    needs ``torch.autograd.grad`` to work on the graph.  The audit is process
+    wide; run one at a time.
+
+    Supported: :class:`Group` s and DeepSpeed engines at ZeRO stage 0 and 1
+    (fp32), single rank, or multi-rank micro-steps that are not an
+    accumulation boundary (at a boundary the engine averages gradients over
+    ranks, which a local reference does not predict).  ZeRO stage 2 and 3
+    move gradients out of ``.grad`` during backward: a backward governing
+    such an engine raises :class:`GraphscaleError` before it runs.
+
+    Example::
+
+        >>> import torch, graphscale
+        >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+        >>> x = torch.ones(1, 2)
+        >>> with graphscale.install(graphscale.Group(a, gas=2, name="a"), graphscale.Group(b, gas=4, name="b")):
+        ...     with graphscale.audit() as check:
+        ...         (a(x) + b(a(x))).sum().backward()
+        >>> check.ok, check.backwards
+        (True, 1)
+        >>> print(check)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        graphscale audit: 1 backward(s), 0 mismatch(es) (rtol=1e-05, atol=1e-06)
+          group  factor  leaves  backwards  grad norm (last)  expected  worst rel err
+          a      0.5     2       1          ...
+          b      0.25    2       1          ...
+    """
+    if rtol < 0 or atol < 0:
+        raise ValueError(f"graphscale.audit: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}.")
+    return Audit(rtol=rtol, atol=atol, raise_on_error=raise_on_error)
+
+
+# ---------------------------------------------------------------- helpers
+def _leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
+    """The leaves a backward of ``roots`` accumulates into, by the audit's own walk."""
+    if inputs is not None:
+        ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        return [t for t in ins if isinstance(t, torch.Tensor) and t.grad_fn is None and t.requires_grad]
+    stack = [_backward._root_node(t) for t in roots]
+    seen: set[Any] = set()
+    out: list[torch.Tensor] = []
+    ids: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            if id(var) not in ids:
+                ids.add(id(var))
+                out.append(var)
+            continue
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return out
+
+
+def _check_supported(groups: Sequence[Group]) -> None:
+    if "deepspeed" not in sys.modules:
+        return
+    from ._deepspeed import EngineGroup
+
+    for g in groups:
+        if not isinstance(g, EngineGroup):
+            continue
+        engine = getattr(g._gas, "__self__", None)  # the engine's gradient_accumulation_steps, bound
+        stage = engine.zero_optimization_stage() if engine is not None else 0
+        if stage >= 2:
+            raise GraphscaleError(
+                f"graphscale.audit: group {g.name!r} is a DeepSpeed engine at ZeRO stage {stage}, which moves "
+                "gradients out of .grad during backward, so the audit cannot read them. audit supports plain "
+                "groups and engines at ZeRO stage 0 and 1: check the scaling there (same model, one rank), "
+                "then switch back. No gradient was touched."
+            )
+
+
+@contextmanager
+def _deepspeed_prologues_held() -> Iterator[None]:
+    """Hold back DeepSpeed's once-per-backward output-hook prologue for the
+    reference pass (NOTE [ Audit reference ])."""
+    if "deepspeed" not in sys.modules:
+        yield
+        return
+    pending = [o for o in gc.get_objects()
+               if type(o).__name__ == "OutputBackwardHookManager" and getattr(o, "preprocess_done", True) is False]
+    for m in pending:
+        m.preprocess_done = True
+    try:
+        yield
+    finally:
+        for m in pending:
+            m.preprocess_done = False
