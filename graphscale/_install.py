@@ -88,11 +88,11 @@ def _as_group(obj: Any, detachers: list[Any]) -> Group:
         return group
     if isinstance(obj, torch.nn.Module):
         raise TypeError(
-            f"graphscale.install: got a plain {type(obj).__name__} module; say what its gradient "
+            f"graphscale: install() got a plain {type(obj).__name__} module; say what its gradient "
             f"accumulation steps are by wrapping it: graphscale.install(graphscale.Group(module, gas=N))."
         )
     raise TypeError(
-        "graphscale.install takes graphscale.Group objects and deepspeed.DeepSpeedEngine objects, "
+        "graphscale: install() takes graphscale.Group objects and deepspeed.DeepSpeedEngine objects, "
         f"got {type(obj).__name__}."
     )
 
@@ -174,9 +174,9 @@ def install(*groups: Any, unowned: str = "any") -> Installation:
         (tensor([[0.5000, 0.5000]]), tensor([[0.2500, 0.2500]]))
     """
     if unowned not in UNOWNED_POLICIES:
-        raise ValueError(f"graphscale.install: unowned must be one of {UNOWNED_POLICIES}, got {unowned!r}.")
+        raise ValueError(f"graphscale: install(unowned=...) must be one of {UNOWNED_POLICIES}, got {unowned!r}.")
     if not groups:
-        raise ValueError("graphscale.install: give at least one Group or DeepSpeed engine.")
+        raise ValueError("graphscale: install() needs at least one Group or DeepSpeed engine.")
     with _lock:
         detachers: list[Any] = []
         try:
