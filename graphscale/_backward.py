@@ -109,6 +109,22 @@ def _gas_scaling_enabled() -> bool:
     return stack[-1] if stack else True
 
 
+# NOTE [ Which snapshot an output hook obeys ]
+# DeepSpeed's output hooks fire in the middle of a backward, long after the
+# backward read its State snapshot.  If they asked "is the engine installed
+# now?", a remove() in between (from a backward hook, or from another thread)
+# would make them divide inside a backward whose plan already scales the
+# engine's leaves: scaled twice, silently.  So each top-level governed backward
+# pushes its snapshot on a thread-local stack while it runs, and the adapter's
+# hook asks governing_state() first.  CPU nodes run on the thread that called
+# backward, so on CPU this is exact; on autograd device threads (CUDA) the
+# stack is empty and the adapter falls back to whether the engine is installed.
+def governing_state() -> State | None:
+    """The snapshot of the governed backward running on this thread, if any."""
+    stack = getattr(_tls, "governing", None)
+    return stack[-1] if stack else None
+
+
 # ---------------------------------------------------------------- active plans
 @dataclass(eq=False)
 class _Active:
@@ -297,9 +313,21 @@ def _governed_backward(
     state = _state
 
     def passthrough(seeds: Any = grad_tensors) -> None:
-        ORIGINAL_BACKWARD(
-            tensors, seeds, retain_graph, create_graph, grad_variables=grad_variables, inputs=inputs
-        )
+        # NOTE [ Which snapshot an output hook obeys ]: top level only; a nested
+        # backward obeys the snapshot of the backward it runs inside.
+        governing = None
+        if state is not None and torch._C._current_autograd_node() is None:
+            governing = getattr(_tls, "governing", None)
+            if governing is None:
+                governing = _tls.governing = []
+            governing.append(state)
+        try:
+            ORIGINAL_BACKWARD(
+                tensors, seeds, retain_graph, create_graph, grad_variables=grad_variables, inputs=inputs
+            )
+        finally:
+            if governing is not None:
+                governing.pop()
 
     if state is None or grad_variables is not None:
         return passthrough()

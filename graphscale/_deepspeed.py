@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._backward import gas_scaling
+from ._backward import gas_scaling, governing_state
 from ._errors import GraphscaleError
 from ._group import Group
 
@@ -82,8 +82,17 @@ class _EngineAdapter:
             )
         adapter = self
 
+        key = ("engine", id(engine))
+
         def per_tensor(grad: Any) -> Any:
-            if adapter.active:
+            # NOTE [ Which snapshot an output hook obeys ] (in _backward.py): the
+            # backward running on this thread decides, not a remove() since.
+            governing = governing_state()
+            if governing is not None:
+                governed = any(g._gas_key == key for g in governing.groups)
+            else:
+                governed = adapter.active
+            if governed:
                 return grad  # graphscale places the factor at the engine's leaves
             return native_per_tensor(grad)
 

@@ -152,7 +152,12 @@ def install(*groups: Any, unowned: str = "any") -> Installation:
         An :class:`Installation`: a context manager with an idempotent
         ``remove()``.  Installations add up; removing one leaves the others
         working; when the last is removed ``torch.autograd.backward`` is the
-        original function again.
+        original function again.  Installing a group or engine twice (in one
+        call, or again while another handle holds it) is idempotent: its
+        factor still applies once, and it stays governed until the last
+        handle holding it is removed.  ``remove()`` may be called from inside
+        a backward hook: the backward already running keeps the snapshot it
+        started with; the change applies from the next backward.
 
     While installed, ``Tensor.backward``, ``torch.autograd.backward`` and
     ``engine.backward`` are governed.  ``torch.autograd.grad`` accumulates
