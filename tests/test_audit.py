@@ -1,0 +1,233 @@
+"""graphscale.audit: every governed backward inside it is checked against a
+plain reference; a right scaling passes, a wrong one is named."""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import graphscale
+from graphscale import _backward
+from conftest import require_deepspeed
+
+
+def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
+    torch.manual_seed(0)
+    outer, inner = torch.nn.Linear(3, 1), torch.nn.Linear(3, 3)
+    x = torch.randn(4, 3)
+    groups = [graphscale.Group(outer, gas=2, name="outer"), graphscale.Group(inner, gas=4, name="inner")]
+    return groups, lambda: outer(torch.tanh(inner(x))).sum()
+
+
+def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner bug: every edge multiplication applied twice over."""
+    real = _backward._post_hook
+    monkeypatch.setattr(_backward, "_post_hook", lambda mults: real(tuple((k, 2 * m) for k, m in mults)))
+
+
+def test_a_right_scaling_passes_and_is_reported_per_group() -> None:
+    groups, loss = _nested()
+    with graphscale.install(*groups), graphscale.audit() as check:
+        loss().backward()
+        loss().backward()  # accumulates into .grad: the audit compares the change
+    assert check.ok and check.backwards == 2 and check.mismatches == []
+    report = str(check)
+    assert "2 backward(s), 0 mismatch(es)" in report
+    assert [line.split()[:3] for line in report.splitlines()[2:]] == [["outer", "0.5", "2"], ["inner", "0.25", "2"]]
+
+
+def test_a_wrong_edge_multiplier_is_caught_naming_group_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups, loss = _nested()
+    with graphscale.install(*groups), graphscale.audit() as check:
+        loss().backward()  # right
+        _double_every_edge_multiplier(monkeypatch)
+        with pytest.raises(graphscale.AuditError) as err:
+            loss().backward()
+    text = str(err.value)
+    assert text.startswith("graphscale: audit found 2 gradient(s)")
+    # The edge where inner's output enters outer's region carries inner's factor: inner is wrong, outer is not.
+    assert "group 'inner' parameter 'weight' (3, 3): got 0.5 x its plain gradient, expected 0.25" in text
+    assert "group 'inner' parameter 'bias'" in text and "'outer'" not in text
+    assert {m.group for m in check.mismatches} == {"inner"} and check.backwards == 2
+
+
+def test_a_wrong_group_factor_on_the_fast_path_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    group = graphscale.Group(model, gas=4, name="model")
+    x = torch.randn(3, 2)
+    with graphscale.install(group), graphscale.audit() as check:
+        model(x).sum().backward()
+        monkeypatch.setattr(graphscale.Group, "factor", lambda self: 0.5)  # 1/2 instead of 1/4
+        with pytest.raises(graphscale.AuditError, match=r"group 'model' parameter 'weight'.*got 0.5 .*expected 0.25"):
+            model(x).sum().backward()
+    assert check.backwards == 2
+
+
+def test_without_raising_every_mismatch_is_kept_logged_and_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    groups, loss = _nested()
+    _double_every_edge_multiplier(monkeypatch)
+    with graphscale.install(*groups), graphscale.audit(raise_on_error=False) as check:
+        with caplog.at_level(logging.WARNING, logger="graphscale"):
+            loss().backward()
+    assert not check.ok and len(check.mismatches) == 2
+    assert any("audit found 2 mismatching" in r.getMessage() for r in caplog.records)
+    assert "inner" in str(check) and "1 mismatch" not in str(check) and "2 mismatch(es)" in str(check)
+    # The gradients are still there (the audit observes, it does not undo).
+    assert groups[1].parameters[0].grad is not None
+
+
+def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    owned, free = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    x = torch.randn(3, 2)
+    with graphscale.install(graphscale.Group(owned, gas=2, name="owned"), unowned="raw"), graphscale.audit() as check:
+        (owned(x) + free(x)).sum().backward()
+        assert check.ok
+        _double_every_edge_multiplier(monkeypatch)
+        with pytest.raises(graphscale.AuditError, match=r"group '\(unowned\)' parameter 'leaf \(1, 2\)'"):
+            (owned(x) + free(x)).sum().backward()
+
+
+def test_the_audit_does_not_change_any_gradient() -> None:
+    groups, loss = _nested()
+    params = [p for g in groups for p in g.parameters]
+    with graphscale.install(*groups):
+        loss().backward()
+        plain = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        with graphscale.audit():
+            loss().backward()
+    for p, want in zip(params, plain):
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=0)
+
+
+def test_audits_nest_and_restore_the_previous_one() -> None:
+    groups, loss = _nested()
+    with graphscale.install(*groups):
+        with graphscale.audit() as outer:
+            with graphscale.audit() as inner:
+                loss().backward()
+            loss().backward()
+        loss().backward()  # no audit any more
+    assert (outer.backwards, inner.backwards) == (1, 1)
+    assert _backward._observer is None
+
+
+def test_an_audit_outside_any_installation_observes_nothing() -> None:
+    groups, loss = _nested()
+    with graphscale.audit() as check:
+        loss().backward()
+    assert check.backwards == 0
+
+
+def test_bad_tolerances_are_rejected() -> None:
+    with pytest.raises(ValueError, match="graphscale.audit: rtol and atol must be >= 0"):
+        graphscale.audit(rtol=-1)
+
+
+# ---------------------------------------------------------------- DeepSpeed
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(3, 3)
+        self.head = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_audit_passes_a_zero_0_engine_plus_its_module_and_catches_a_wrong_factor(
+    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    engine = make_engine(net, gas=2, stage=0)  # stage 0 allows engine.backward only
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    with graphscale.install(engine), graphscale.audit() as check:
+        engine.backward(engine(x).sum() + engine.module.body(y).pow(2).sum())
+        assert check.ok and check.backwards == 1
+        want = torch.autograd.grad(plain(x).sum() + plain.body(y).pow(2).sum(), list(plain.parameters()))
+        for p, w in zip(net.parameters(), want):
+            torch.testing.assert_close(p.grad, w / 2)
+        monkeypatch.setattr(graphscale.Group, "factor", lambda self: 1.0)
+        with pytest.raises(graphscale.AuditError, match=r"parameter 'body.weight' .*got 1 x .*expected 0.5"):
+            engine.backward(engine(x).sum() + engine.module.body(y).pow(2).sum())
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
+    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    a_net, b_net = Net(), Net()
+    a_plain, b_plain = copy.deepcopy(a_net), copy.deepcopy(b_net)
+    a, b = make_engine(a_net, gas=2, stage=1), make_engine(b_net, gas=4, stage=1)
+    x = torch.randn(2, 3)
+    with graphscale.install(a, b), graphscale.audit() as check:
+        a.backward(a(x).sum() + b(x).sum())
+        assert check.ok and check.backwards == 1
+        # The reference ran on the engines' graph without disturbing them: the oracle's gradients.
+        want_a = torch.autograd.grad(a_plain(x).sum(), list(a_plain.parameters()))
+        want_b = torch.autograd.grad(b_plain(x).sum(), list(b_plain.parameters()))
+        for p, w in zip([*a_net.parameters(), *b_net.parameters()], [*(w / 2 for w in want_a), *(w / 4 for w in want_b)]):
+            torch.testing.assert_close(p.grad, w)
+        _double_every_edge_multiplier(monkeypatch)
+        with pytest.raises(graphscale.AuditError, match=r"group 'engine:Net#[0-9a-f]{4}' parameter '(body|head)\.(weight|bias)'"):
+            a.backward(a(x).sum() + b(x).sum())
+    assert check.mismatches and all(m.backward == 2 for m in check.mismatches)
+    a.step()  # DeepSpeed's prologue was held back only for the reference: the engine still steps
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_audit_refuses_zero_stage_2_before_touching_anything(make_engine: Callable[..., Any]) -> None:
+    net = Net()
+    engine = make_engine(net, gas=2, stage=2)
+    with graphscale.install(engine), graphscale.audit():
+        with pytest.raises(graphscale.GraphscaleError, match=r"^graphscale.audit: group .* ZeRO stage 2.*stage 0 and 1"):
+            engine.backward(engine(torch.randn(2, 3)).sum())
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_audited_steps_of_a_zero_1_engine_update_the_weights_as_unaudited_ones(
+    make_engine: Callable[..., Any],
+) -> None:
+    # At an accumulation boundary ZeRO reduces gradients in the epilogue that its
+    # once-per-backward prologue queues; the reference must not trigger it early.
+    torch.manual_seed(0)
+    nets = [Net(), Net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    start = [p.detach().clone() for p in nets[0].parameters()]
+    engines = [make_engine(n, gas=2, stage=1, lr=1.0) for n in nets]
+    x = [torch.randn(2, 3) for _ in range(2)]
+    for i, engine in enumerate(engines):
+        with graphscale.install(engine), (graphscale.audit() if i == 1 else _nothing()) as check:
+            for xb in x:
+                engine.backward(engine(xb).sum())
+                engine.step()
+        if i == 1:
+            assert check.ok and check.backwards == 2
+    for p, q, p0 in zip(*(n.parameters() for n in nets), start):
+        torch.testing.assert_close(q, p)
+        assert not torch.equal(p, p0), "the boundary step did not update the weights"
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
