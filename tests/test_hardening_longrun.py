@@ -151,10 +151,10 @@ def test_a_hundred_steps_with_two_engines_leave_no_hook_no_leak_and_stay_exact(m
 @pytest.mark.deepspeed
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="1,000 steps: set GRAPHSCALE_FULL=1")
-@pytest.mark.parametrize("stage", [1, 3], ids=["zero1", "zero3"])
+@pytest.mark.parametrize("direct", [False, True], ids=["engine.backward", "loss.backward"])
 def test_a_thousand_steps_with_two_engines_leave_no_hook_no_leak_and_stay_exact(make_engine: Any,
-                                                                                stage: int) -> None:
-    _train(make_engine, 1000, direct=True, stage=stage)
+                                                                                direct: bool) -> None:
+    _train(make_engine, 1000, direct=direct, stage=1)  # ZeRO 1: the oracle runs the unpartitioned module
 
 
 # ---------------------------------------------------------------- references after remove()
@@ -190,7 +190,19 @@ def test_after_remove_no_group_module_tensor_or_gas_callable_is_kept_alive() -> 
 @pytest.mark.parametrize("direct", [False, True], ids=["plain-groups-too", "engine-only"])
 def test_after_remove_an_engine_and_its_module_can_be_collected(make_engine: Any, direct: bool) -> None:
     # ZeRO stage 0: DeepSpeed itself keeps ZeRO 1-3 engines alive (measured without
-    # graphscale), so only there can "graphscale keeps nothing" be seen directly.
+    # graphscale), so only there can "graphscale keeps nothing" be seen directly;
+    # and only where this DeepSpeed lets a trained stage-0 engine go without graphscale.
+    baseline = make_engine(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()), gas=4, stage=0)
+    loss = baseline(torch.randn(2, 3)).sum()
+    baseline.backward(loss)
+    baseline.step()
+    baseline_ref = weakref.ref(baseline)
+    del baseline, loss
+    gc.collect()
+    if baseline_ref() is not None:
+        import deepspeed
+
+        pytest.skip(f"DeepSpeed {deepspeed.__version__} keeps a trained ZeRO-0 engine alive without graphscale")
     torch.manual_seed(1)
     engine = make_engine(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()), gas=4, stage=0)
     head = torch.nn.Linear(3, 1)
