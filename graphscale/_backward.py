@@ -40,6 +40,14 @@ the original, and removes every hook in a ``finally``.
 # Known limit: a requires-grad non-Parameter tensor that a checkpointed
 # function closes over, and that the outer graph never reaches, looks like a
 # carrier and gets the carrier's potential.
+#
+# NOTE [ Nested backward through the enclosing graph ]
+# A custom Function's backward may call torch.autograd.backward on tensors of
+# the enclosing graph itself (it kept one from forward).  Those nodes already
+# carry the enclosing plan's hooks, which stay registered while it runs.  The
+# nested plan pins each such node to the potential the enclosing plan gave it
+# and places no multiplication on edges leaving it: the enclosing hooks
+# already apply exactly those ratios, and a second hook would scale twice.
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -210,9 +218,20 @@ def build_plan(
                 j = graph.index.get(t.grad_fn)
                 if j is not None:
                     pins[j] = carrier if carrier is not None else 1.0
+    enclosed: set[int] = set()  # NOTE [ Nested backward through the enclosing graph ]
+    if outer_phi is not None:
+        for i, node in enumerate(graph.nodes):
+            if i not in graph.leaves:
+                seen = outer_phi(node)
+                if seen is not None:
+                    pins[i] = seen
+                    enclosed.add(i)
     index = graph.index
     root_idx = [index[n] if n is not None else -1 for n in root_nodes]
-    return make_plan(graph, pins, root_idx, base=base)
+    plan = make_plan(graph, pins, root_idx, base=base)
+    if enclosed:  # their hooks are in place already: placing them again would scale twice
+        plan = replace(plan, edge_mults={u: m for u, m in plan.edge_mults.items() if u not in enclosed})
+    return plan
 
 
 def _post_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:

@@ -69,6 +69,22 @@ class Recompute(torch.autograd.Function):
         return xd.grad, None, None
 
 
+class BackwardThrough(torch.autograd.Function):
+    """``2 * h``; backward returns nothing for ``h`` but calls
+    ``torch.autograd.backward`` on ``h`` itself: a nested backward that runs
+    through part of the enclosing graph."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        ctx.keep = keep
+        return h.detach() * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        torch.autograd.backward(ctx.keep, grad * 2, retain_graph=True)
+        return None, None
+
+
 class WithShared(nn.Module):
     """``module(x @ w)``: the unowned parameter ``w`` inside a checkpointed segment."""
 
@@ -81,7 +97,7 @@ class WithShared(nn.Module):
 
 
 OPS = ("group", "sub", "unowned", "shared_param", "add", "mul", "detach",
-       "ckpt_reentrant", "ckpt_non_reentrant", "cube", "recompute")
+       "ckpt_reentrant", "ckpt_non_reentrant", "cube", "recompute", "through")
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,8 @@ class Program:
 
 # Weighted by repetition: sharing across regions and nested backwards are where bugs hide.
 OP_WEIGHTS = (("group", 4), ("sub", 1), ("unowned", 3), ("shared_param", 2), ("add", 3), ("mul", 1),
-              ("detach", 1), ("ckpt_reentrant", 3), ("ckpt_non_reentrant", 1), ("cube", 1), ("recompute", 3))
+              ("detach", 1), ("ckpt_reentrant", 3), ("ckpt_non_reentrant", 1), ("cube", 1), ("recompute", 3),
+              ("through", 3))
 assert {op for op, _ in OP_WEIGHTS} == set(OPS)
 
 
@@ -114,7 +131,7 @@ programs = st.builds(
     ops=st.lists(
         st.tuples(st.sampled_from([op for op, n in OP_WEIGHTS for _ in range(n)]),
                   st.integers(0, 3), st.integers(0, 15), st.integers(0, 15)),
-        min_size=1, max_size=10,
+        min_size=3, max_size=12,
     ).map(tuple),
     roots=st.lists(st.tuples(st.integers(0, 15), st.booleans()), min_size=1, max_size=3).map(tuple),
     second_pass=st.booleans(),
@@ -167,8 +184,10 @@ class World:
                 v = checkpoint(seg, a, use_reentrant=False)
             elif op == "cube":
                 v = Cube.apply(a)
-            else:  # recompute
+            elif op == "recompute":
                 v = Recompute.apply(a, seg, 2.0 if j % 2 else 1.0)
+            else:  # through
+                v = BackwardThrough.apply(a, a)
             vals.append(v)
         live = [v for v in vals if v.requires_grad]
         roots, seeds = [], []

@@ -138,6 +138,22 @@ class Recompute(torch.autograd.Function):
         return xd.grad * ctx.seed_scale if ctx.seed_scale != 1 else xd.grad, None, None
 
 
+class BackwardThrough(torch.autograd.Function):
+    """``2 * h`` whose backward returns nothing for ``h`` but calls
+    ``torch.autograd.backward`` on ``h`` itself (kept from forward), seeded with
+    ``2 * grad``: a nested backward over part of the enclosing graph."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        ctx.keep = keep
+        return h.detach() * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        torch.autograd.backward(ctx.keep, grad * 2, retain_graph=True)
+        return None, None
+
+
 # ---------------------------------------------------------------- the shapes
 def sum_of_groups(w: World) -> None:
     (w.g[0](w.x) + w.g[1](w.x)).sum().backward()
@@ -230,6 +246,12 @@ def custom_function_nested_backward_scaled_seed(w: World) -> None:
     (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.pre, 2.0)).sum().backward()
 
 
+def custom_function_backward_through_enclosing_graph(w: World) -> None:
+    u = w.pre(w.x)
+    h = w.g[1](u)
+    (w.g[0](BackwardThrough.apply(h, h)) + w.g[2](u)).sum().backward()
+
+
 def several_roots(w: World) -> None:
     torch.autograd.backward([w.g[0](w.x).sum(), (w.g[1](w.x) * w.g[0](w.y)).sum(), w.g[1](w.y).mean()])
 
@@ -301,6 +323,8 @@ CASES = [
     pytest.param(custom_function_nested_backward, (2, 4, 8), id="custom_function_nested_backward"),
     pytest.param(custom_function_nested_backward_scaled_seed, (2, 4),
                  id="custom_function_nested_backward_seeded_with_2_grad"),
+    pytest.param(custom_function_backward_through_enclosing_graph, (2, 4, 8),
+                 id="custom_function_nested_backward_through_enclosing_graph"),
     pytest.param(several_roots, (2, 4), id="several_roots"),
     pytest.param(non_scalar_roots_with_grad_tensors, (2, 4), id="non_scalar_roots_with_grad_tensors"),
     pytest.param(inputs_leaves, (2, 4), id="inputs_leaves"),
