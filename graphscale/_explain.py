@@ -320,6 +320,7 @@ def explain(
     grad_tensors: Any = None,
     groups: Iterable[Group] | None = None,
     unowned: str = "any",
+    scale_wrt_gas: bool = True,
 ) -> ExplainedPlan:
     """Return the plan a governed backward of ``roots`` would run; run nothing.
 
@@ -333,14 +334,15 @@ def explain(
             iterable of :class:`Group` to explain a backward under those
             instead (then ``unowned`` applies); nothing is installed.
         unowned: with ``groups=``: ``"any"`` or ``"raw"``, as in ``install``.
+        scale_wrt_gas: False explains ``engine.backward(loss,
+            scale_wrt_gas=False)``: every factor is 1, nothing is multiplied.
 
     The decision and the plan are made by the functions the governed backward
     uses, so the explanation is what the backward would do, including the
     fast path (one factor in play: the seeds are multiplied, nothing is
     walked; :attr:`ExplainedPlan.fast_path` is True and the nodes are walked
-    for the explanation only).  It explains a top-level backward with
-    ``scale_wrt_gas=True`` (inside ``engine.backward(..., scale_wrt_gas=False)``
-    nothing would be multiplied, and it says so).  No gradient, hook or
+    for the explanation only).  It explains a top-level backward (not one
+    nested inside another, as reentrant checkpointing runs).  No gradient, hook or
     ``.grad`` is touched; the graph is left as it was.
 
     Raises:
@@ -380,7 +382,7 @@ def explain(
                 "Pass grad_tensors=..., as you would to backward."
             )
 
-    scaling = _backward._gas_scaling_enabled()
+    scaling = scale_wrt_gas and _backward._gas_scaling_enabled()
     factors = {g: (g.factor() if scaling else 1.0) for g in state.groups}
     fast = _backward.fast_path_factor(state, factors)
     t0 = time.perf_counter()

@@ -1,0 +1,36 @@
+"""``python -m graphscale demo``: the command line.
+
+The only place in graphscale that prints; the library itself logs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graphscale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "demo",
+        help="run the graph shapes where DeepSpeed's GAS scaling goes wrong, with DeepSpeed alone and with "
+        "graphscale, on small CPU engines, and print the gradient errors against a plain-PyTorch oracle",
+    )
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            print("graphscale: the demo needs deepspeed: pip install deepspeed", file=sys.stderr)
+            return 2
+        from ._demo import EXACT, format_table, run_demo
+
+        rows, header = run_demo()
+        print(format_table(rows, header))
+        # The demo checks itself: graphscale must be exact in every row.
+        return 0 if all(r.graphscale <= EXACT for r in rows) else 1
+    return 2  # pragma: no cover - argparse rejects other commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())
