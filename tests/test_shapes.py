@@ -261,6 +261,13 @@ def non_scalar_roots_with_grad_tensors(w: World) -> None:
     torch.autograd.backward([a, b], [w.randn(*a.shape), w.randn(*b.shape)])
 
 
+def roots_seeds_and_inputs_as_generators(w: World) -> None:
+    a, b = w.g[0](w.x), w.g[1](w.g[0](w.y))
+    seeds = [w.randn(*a.shape), w.randn(*b.shape)]
+    inputs = [w.g[0].inp.weight, w.g[1].sub.bias, w.g[1].inp.weight, w.x]
+    torch.autograd.backward((r for r in (a, b)), (s for s in seeds), inputs=(t for t in inputs))
+
+
 def inputs_leaves(w: World) -> None:
     loss = (w.g[0](w.x) + w.g[1](w.x)).sum()
     torch.autograd.backward(loss, inputs=[w.g[0].inp.weight, w.g[1].sub.bias, w.x])
@@ -328,6 +335,8 @@ CASES = [
     pytest.param(several_roots, (2, 4), id="several_roots"),
     pytest.param(non_scalar_roots_with_grad_tensors, (2, 4), id="non_scalar_roots_with_grad_tensors"),
     pytest.param(inputs_leaves, (2, 4), id="inputs_leaves"),
+    pytest.param(roots_seeds_and_inputs_as_generators, (2, 4), id="roots_seeds_and_inputs_as_generators"),
+    pytest.param(roots_seeds_and_inputs_as_generators, (4, 4), id="roots_seeds_and_inputs_as_generators_fast_path"),
     pytest.param(inputs_non_leaf, (2, 4), id="inputs_non_leaf"),
     pytest.param(retained_graph_second_backward, (2, 4), id="retained_graph_second_backward"),
     pytest.param(root_is_a_leaf, (2, 4), id="root_is_a_leaf"),
