@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,6 +63,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from . import _native
 from ._group import Group
 from ._plan import Plan, make_plan
 from ._walk import walk
@@ -136,7 +138,7 @@ def governing_state() -> State | None:
 # ---------------------------------------------------------------- active plans
 @dataclass(eq=False)
 class _Active:
-    plan: Plan
+    plan: Any  # _PyApplied or the native walker's NativePlan: phi_of(node) -> float | None
     factors: dict[Group, float]
     state: State
 
@@ -149,9 +151,9 @@ def _find_outer(node: Any) -> tuple[_Active, float] | None:
     with _active_lock:
         candidates = list(_active)
     for act in reversed(candidates):
-        i = act.plan.graph.index.get(node)
-        if i is not None:
-            return act, act.plan.phi[i]
+        p = act.plan.phi_of(node)
+        if p is not None:
+            return act, p
     return None
 
 
@@ -160,9 +162,9 @@ def _enclosing_phi(node: Any) -> float | None:
     with _active_lock:
         candidates = list(_active)
     for act in reversed(candidates):
-        i = act.plan.graph.index.get(node)
-        if i is not None:
-            return act.plan.phi[i]
+        p = act.plan.phi_of(node)
+        if p is not None:
+            return p
     return None
 
 
@@ -177,6 +179,51 @@ def _root_node(t: Any) -> Any:
     return None
 
 
+# NOTE [ Checkpoint hints ]
+# A reentrant checkpoint (torch's or DeepSpeed's) is one custom-Function node
+# in the outer graph; the parameters it uses are leaves only of the nested
+# graph recomputed in its backward, which the outer walk cannot see.  Left to
+# the outer plan, such a node is "free" and gets its parent's potential, and
+# every nested plan then multiplies at its own seed and carriers: a few
+# multiplications per checkpointed layer.  Both checkpoints keep the function
+# they recompute as ctx.run_function, and the node is the ctx: when that is an
+# nn.Module (or a bound method of one) all of whose owned parameters belong to
+# one group, the outer plan pins the node to that group's factor, so the
+# nested plan, starting from that base, has nothing to multiply.  A hint only
+# chooses a potential (any choice is exact, NOTE [ Potentials ]), so a wrong
+# or stale hint costs multiplications, never correctness.
+_BackwardCFunction: type = torch.autograd.function.BackwardCFunction
+_hint_cache: tuple[Any, dict[int, tuple[Any, Group | None]]] | None = None
+
+
+def _hint_group(state: State, fn: Any) -> Group | None:
+    global _hint_cache
+    if not isinstance(fn, torch.nn.Module):
+        fn = getattr(fn, "__self__", None)
+        if not isinstance(fn, torch.nn.Module):
+            return None
+    cache = _hint_cache
+    if cache is None or cache[0] is not state:
+        cache = _hint_cache = (state, {})
+    hit = cache[1].get(id(fn))
+    if hit is not None and hit[0]() is fn:
+        return hit[1]
+    owner = state.owner
+    groups = {owner.get(id(p)) for p in fn.parameters()}
+    groups.discard(None)
+    g = groups.pop() if len(groups) == 1 else None
+    cache[1][id(fn)] = (weakref.ref(fn), g)
+    return g
+
+
+def _checkpoint_hint(state: State, factors: dict[Group, float]) -> Callable[[Any], float | None]:
+    def hint(node: Any) -> float | None:
+        g = _hint_group(state, getattr(node, "run_function", None))
+        return None if g is None else factors.get(g)
+
+    return hint
+
+
 def build_plan(
     roots: Sequence[Any],
     state: State,
@@ -185,6 +232,7 @@ def build_plan(
     carrier: float | None = None,
     inputs: Sequence[Any] = (),
     outer_phi: Callable[[Any], float | None] | None = None,
+    hint: Callable[[Any], float | None] | None = None,
 ) -> Plan:
     """Walk from ``roots`` and choose potentials (see NOTE [ Potentials ]).
 
@@ -194,6 +242,8 @@ def build_plan(
     a node (None where they have not seen it); unowned leaves keep it, so each
     gets one factor over the whole backward (NOTE [ Unowned leaves in nested
     backward ]).
+    ``hint``: a potential for a custom-Function node, or None (NOTE [
+    Checkpoint hints ]); asked for each such node, in graph order.
     """
     root_nodes = [_root_node(t) for t in roots]
     graph = walk(root_nodes)
@@ -212,6 +262,12 @@ def build_plan(
             pins[i] = carrier
         elif raw or carrier is not None:
             pins[i] = 1.0
+    if hint is not None:  # NOTE [ Checkpoint hints ]
+        for i, node in enumerate(graph.nodes):
+            if isinstance(node, _BackwardCFunction) and i not in graph.leaves:
+                h = hint(node)
+                if h is not None:
+                    pins[i] = h
     if raw:
         for t in inputs:  # non-leaf inputs= tensors receive .grad too
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
@@ -232,6 +288,78 @@ def build_plan(
     if enclosed:  # their hooks are in place already: placing them again would scale twice
         plan = replace(plan, edge_mults={u: m for u, m in plan.edge_mults.items() if u not in enclosed})
     return plan
+
+
+class _PyApplied:
+    """A Python :class:`Plan` seen through what applying it needs; the native
+    walker's ``NativePlan`` has the same surface (seeds, num_nodes,
+    multiplications, hooks(), phi_of(node))."""
+
+    __slots__ = ("plan", "seeds", "num_nodes", "multiplications")
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.seeds = plan.seeds
+        self.num_nodes = len(plan.graph)
+        self.multiplications = plan.multiplications
+
+    def hooks(self) -> list[tuple[Any, tuple[tuple[int, float], ...]]]:
+        nodes = self.plan.graph.nodes
+        return [(nodes[i], mults) for i, mults in self.plan.edge_mults.items()]
+
+    def phi_of(self, node: Any) -> float | None:
+        i = self.plan.graph.index.get(node)
+        return None if i is None else self.plan.phi[i]
+
+
+def _applied_plan(
+    roots: Sequence[Any],
+    state: State,
+    factors: dict[Group, float],
+    base: float,
+    carrier: float | None,
+    inputs: Sequence[Any],
+) -> Any:
+    """The plan of :func:`build_plan`, made by the native walker when it is
+    available ($GRAPHSCALE_WALKER, see graphscale/_native), else by Python.
+    Both give the same plan; the native one keeps no Python object per node."""
+    # A nested plan pins unowned leaves to what the enclosing plans gave them
+    # (NOTE [ Unowned leaves in nested backward ]); both planners ask
+    # outer_phi, once per unowned leaf.
+    outer_phi: Any = _enclosing_phi if carrier is not None else None
+    hint = _checkpoint_hint(state, factors)
+    native = _native.load()
+    if native is not None and carrier is not None:
+        with _active_lock:
+            outer = [act.plan for act in _active]
+        if all(isinstance(p, native.NativePlan) for p in outer):
+            outer_phi = outer  # looked up in C++, no Python call per node
+    if native is not None:
+        extra_nodes: list[Any] = []
+        extra_values: list[float] = []
+        if state.raw:
+            for t in inputs:  # as in build_plan: non-leaf inputs= tensors receive .grad too
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    extra_nodes.append(t.grad_fn)
+                    extra_values.append(carrier if carrier is not None else 1.0)
+        try:
+            return native.plan(
+                [_root_node(t) for t in roots],
+                _native.owners_for(state, native),
+                [factors[g] for g in state.groups],
+                base,
+                carrier,
+                state.raw,
+                torch.nn.Parameter,
+                extra_nodes,
+                extra_values,
+                outer_phi,
+                hint,
+            )
+        except OverflowError:  # more than 64 distinct factors: the Python planner has no limit
+            pass
+    return _PyApplied(build_plan(roots, state, factors, base=base, carrier=carrier, inputs=inputs,
+                                 outer_phi=_enclosing_phi if carrier is not None else None, hint=hint))
 
 
 def _post_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
@@ -311,6 +439,11 @@ def fast_path_factor(state: State, factors: dict[Group, float]) -> float | None:
     return None
 
 
+# A walk recorder sees every walked plan while set (benchmarks/overhead.py):
+# walk_recorder(nodes, seconds_to_walk_and_plan, multiplications); the fast
+# path calls it with (0, 0.0, seeds_scaled).
+_walk_recorder: Callable[[int, float, int], None] | None = None
+
 # An observer wraps every governed backward while set (graphscale.audit sets
 # it): observer(run, *backward_args) must call run(*backward_args) once.
 _observer: Callable[..., None] | None = None
@@ -387,6 +520,8 @@ def _governed_backward(
         seeds = _scaled_seeds(roots, grads, [f] * len(roots))
         if seeds is None:
             return passthrough()
+        if _walk_recorder is not None:
+            _walk_recorder(0, 0.0, len(roots))
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug(
                 "graphscale: fast path, walked 0 nodes in 0 us, %d multiplication(s) (root seeds x %g), factors %s",
@@ -409,26 +544,27 @@ def _run_planned(
     passthrough: Callable[..., None],
 ) -> None:
     t0 = time.perf_counter()
-    outer_phi = _enclosing_phi if carrier is not None else None
-    plan = build_plan(roots, state, factors, base=base, carrier=carrier, inputs=inputs, outer_phi=outer_phi)
+    plan = _applied_plan(roots, state, factors, base, carrier, inputs)
+    recorder = _walk_recorder
+    if recorder is not None:
+        recorder(plan.num_nodes, time.perf_counter() - t0, plan.multiplications)
     seeds = _scaled_seeds(roots, grads, plan.seeds)
     if seeds is None:
         return passthrough()
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s",
-            len(plan.graph),
+            plan.num_nodes,
             (time.perf_counter() - t0) * 1e6,
             plan.multiplications,
             sorted({f"{g.name}={f:g}" for g, f in factors.items()}),
             f", nested at base {base:g}" if carrier is not None else "",
         )
-    nodes = plan.graph.nodes
     handles = []
     entry = _Active(plan, factors, state)
     try:
-        for i, mults in plan.edge_mults.items():
-            handles.append(nodes[i].register_hook(_post_hook(mults)))
+        for node, mults in plan.hooks():
+            handles.append(node.register_hook(_post_hook(mults)))
         with _active_lock:
             _active.append(entry)
         passthrough(seeds)
