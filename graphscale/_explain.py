@@ -49,7 +49,8 @@ class Multiplication:
     multiplied before it enters ``target``; ``edge`` is None.
     ``kind == "edge"``: the gradient node ``node`` sends along its edge
     ``edge`` (``grad_inputs[edge]``, flowing along ``next_functions[edge]``)
-    is multiplied before it reaches ``target``.
+    is multiplied before it reaches ``target``.  ``carries``: the factor the
+    gradient carries from there on (``target``'s potential).
     """
 
     kind: str
@@ -57,6 +58,7 @@ class Multiplication:
     edge: int | None
     target: str
     multiplier: float
+    carries: float = 1.0  # the potential from here on: the factor the gradient now carries
 
 
 class ExplainedPlan:
@@ -139,14 +141,19 @@ class ExplainedPlan:
             lines += [
                 "",
                 _table(
-                    ["multiply", "at node", "edge", "flowing to", "by"],
+                    ["multiply", "at node", "edge", "flowing to", "by", "then carries"],
                     [
-                        [m.kind, m.node, "-" if m.edge is None else str(m.edge), m.target, f"{m.multiplier:g}"]
+                        [m.kind, m.node, "-" if m.edge is None else str(m.edge), m.target, f"{m.multiplier:g}",
+                         self._carries(m.carries)]
                         for m in self.multiplications
                     ],
                 ),
             ]
         return "\n".join(lines)
+
+    def _carries(self, value: float) -> str:
+        names = ", ".join(g.name for g in self.groups if g.factor == value)
+        return f"{value:g} ({names})" if names else f"{value:g}"
 
     def _unowned_factors(self) -> str:
         got = {self.potentials[i] for i, t in enumerate(self._types) if t == "AccumulateGrad" and self._node_groups[i] is None}
@@ -427,9 +434,10 @@ def explain(
     mults: list[Multiplication] = []
     for r, (idx, m) in enumerate(zip(root_index, seed_mults)):
         if idx >= 0 and m != 1.0:
-            mults.append(Multiplication("seed", f"seed[{r}]", None, labels[idx], m))
+            mults.append(Multiplication("seed", f"seed[{r}]", None, labels[idx], m, phi[idx]))
     for (u, k), m in sorted(edge_mults.items()):
-        mults.append(Multiplication("edge", labels[u], k, labels[graph.edges[u][k]], m))
+        c = graph.edges[u][k]
+        mults.append(Multiplication("edge", labels[u], k, labels[c], m, phi[c]))
     return ExplainedPlan(
         roots=len(root_list),
         walk_us=walk_us,
