@@ -194,17 +194,15 @@ class Audit:
                          factors[owner] if owner else None))
         # Unowned leaves: exactly g under unowned="raw"; otherwise one factor for all of them.
         unowned = [r for r in rows if r[5] is None]
-        if unowned:
-            if state.raw:
-                cands = [1.0]
-            else:
-                cands = sorted({1.0, *factors.values()}, reverse=True)
+        best = 1.0
+        if unowned and not state.raw:
+            cands = sorted({1.0, *factors.values()}, reverse=True)
             best = min(cands, key=lambda c: max(self._err(d, c * g, s) for _, _, d, g, s, _ in unowned))
-            rows = [r if r[5] is not None else r[:5] + (best,) for r in rows]
+        checked = [(grp, name, d, g, s, best if f is None else f) for grp, name, d, g, s, f in rows]
         found: list[Mismatch] = []
         seen_groups: dict[str, tuple[float, float, float, int]] = {}
-        for group, name, delta, g, slack, f in rows:
-            want = f * g  # type: ignore[operator]
+        for group, name, delta, g, slack, f in checked:
+            want = f * g
             err = float((delta - want).abs().max()) if delta.numel() else 0.0
             scale = float(want.abs().max()) if want.numel() else 0.0
             got_sq, want_sq, worst, count = seen_groups.get(group, (0.0, 0.0, 0.0, 0))
@@ -214,13 +212,13 @@ class Audit:
             if err > self.atol + self.rtol * scale + slack:
                 gn = float((g * g).sum())
                 observed = float((delta * g).sum()) / gn if gn else math.nan
-                found.append(Mismatch(n, group, name, tuple(delta.shape), float(f), observed, err))  # type: ignore[arg-type]
+                found.append(Mismatch(n, group, name, tuple(delta.shape), f, observed, err))
         order = [g.name for g in state.groups if g.name in seen_groups] + [UNOWNED] * (UNOWNED in seen_groups)
         for group in order:
             got_sq, want_sq, worst, count = seen_groups[group]
             s = self._stats.setdefault(group, _GroupStats())
-            f_now = next((f for grp, _, _, _, _, f in rows if grp == group), math.nan)
-            s.factor, s.leaves, s.backwards = float(f_now), count, s.backwards + 1  # type: ignore[arg-type]
+            s.factor = next(f for grp, _, _, _, _, f in checked if grp == group)
+            s.leaves, s.backwards = count, s.backwards + 1
             s.got_sq, s.want_sq, s.worst_rel = got_sq, want_sq, max(s.worst_rel, worst)
             s.mismatches += sum(1 for m in found if m.group == group)
         if not found:

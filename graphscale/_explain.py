@@ -205,9 +205,9 @@ class ExplainedPlan:
                 if c < 0:
                     continue
                 val = node
-                m = self._edge_mults.get((i, k))
-                if m is not None:
-                    val = g.call_function(operator.mul, (node, m))
+                em = self._edge_mults.get((i, k))
+                if em is not None:
+                    val = g.call_function(operator.mul, (node, em))
                     val.meta["graphscale"] = {"kind": "mul", "potential": self.potentials[c], "edge": k}
                 incoming[c].append(val)
         g.output(tuple(made[i] for i in range(n) if all(c < 0 for c in self._edges[i])))
@@ -244,8 +244,8 @@ class ExplainedPlan:
             for k, c in enumerate(self._edges[i]):
                 if c < 0:
                     continue
-                m = self._edge_mults.get((i, k))
-                attrs = f' [label="x {m:g}", color="red", fontcolor="red", penwidth=2]' if m is not None else ""
+                em = self._edge_mults.get((i, k))
+                attrs = f' [label="x {em:g}", color="red", fontcolor="red", penwidth=2]' if em is not None else ""
                 out.append(f"  n{i} -> n{c}{attrs};")
         out.append("}")
         return "\n".join(out) + "\n"
