@@ -129,6 +129,10 @@ def _gas_scaling_enabled() -> bool:
 # hook asks governing_state() first.  CPU nodes run on the thread that called
 # backward, so on CPU this is exact; on autograd device threads (CUDA) the
 # stack is empty and the adapter falls back to whether the engine is installed.
+# Not covered: a backward that began *ungoverned* (nothing installed yet) on one
+# thread while another thread installs an engine whose outputs it reaches: its
+# remaining output hooks pass through, as they must under torch.autograd.grad
+# (which they cannot tell apart).  Install before other threads start training.
 def governing_state() -> State | None:
     """The snapshot of the governed backward running on this thread, if any."""
     stack = getattr(_tls, "governing", None)
