@@ -231,3 +231,37 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_audit_of_a_direct_loss_backward_on_a_zero_1_engine_lets_deepspeed_run_its_backward_once(
+    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # loss.backward() on engine outputs: DeepSpeed's prologue runs from the output hook, once per
+    # forward's outputs; the reference pass must leave it to the real backward.
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    engine = make_engine(net, gas=4, stage=1)
+    calls: list[str] = []
+
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(type(engine), "_backward_prologue", spy("prologue", type(engine)._backward_prologue))
+    monkeypatch.setattr(torch.autograd, "grad", spy("reference", torch.autograd.grad))
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    with graphscale.install(engine):
+        with monkeypatch.context() as m, graphscale.audit() as check:  # undone before remove() restores torch
+            m.setattr(_backward, "ORIGINAL_BACKWARD", spy("backward", _backward.ORIGINAL_BACKWARD))
+            (engine(x).sum() + engine.module(y).sum()).backward()
+    assert check.ok and check.backwards == 1
+    assert calls == ["reference", "backward", "prologue"]  # the prologue runs inside the real backward
+    want = torch.autograd.grad(plain(x).sum() + plain(y).sum(), list(plain.parameters()))
+    for p, w in zip(net.parameters(), want):
+        torch.testing.assert_close(p.grad, w / 4)
