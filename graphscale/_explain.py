@@ -171,7 +171,8 @@ class ExplainedPlan:
         that sends the gradient and the node that receives it.  The output is
         the tuple of nodes that send nothing further (the leaves).
         ``node.meta["graphscale"]`` holds ``kind`` ("grad_fn", "seed",
-        "mul"), ``potential``, and ``label``/``group`` for grad_fn nodes.
+        "mul", "output"), ``potential`` (not on the output), and
+        ``label``/``group`` for grad_fn nodes.
         """
         if self._fx is None:
             self._fx = self._build_fx()
@@ -210,7 +211,8 @@ class ExplainedPlan:
                     val = g.call_function(operator.mul, (node, em))
                     val.meta["graphscale"] = {"kind": "mul", "potential": self.potentials[c], "edge": k}
                 incoming[c].append(val)
-        g.output(tuple(made[i] for i in range(n) if all(c < 0 for c in self._edges[i])))
+        out = g.output(tuple(made[i] for i in range(n) if all(c < 0 for c in self._edges[i])))
+        out.meta["graphscale"] = {"kind": "output"}
         return g
 
     # ------------------------------------------------------------ Graphviz

@@ -265,3 +265,16 @@ def test_audit_of_a_direct_loss_backward_on_a_zero_1_engine_lets_deepspeed_run_i
     want = torch.autograd.grad(plain(x).sum() + plain(y).sum(), list(plain.parameters()))
     for p, w in zip(net.parameters(), want):
         torch.testing.assert_close(p.grad, w / 4)
+
+
+def test_a_graph_autograd_grad_cannot_take_is_refused_clearly() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    groups, _ = _nested()
+    outer, inner = (g.parameters for g in groups)
+    x = torch.randn(4, 3, requires_grad=True)
+    with graphscale.install(*groups), graphscale.audit():
+        loss = checkpoint(lambda t: torch.nn.functional.linear(torch.tanh(t), *outer), x @ inner[0].T + inner[1],
+                          use_reentrant=True).sum()
+        with pytest.raises(graphscale.GraphscaleError, match=r"^graphscale.audit: could not compute .*use_reentrant=False"):
+            loss.backward()

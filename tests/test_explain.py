@@ -246,3 +246,43 @@ def test_nothing_is_logged_at_the_default_level(caplog: pytest.LogCaptureFixture
     ours = [r for r in caplog.records if r.name.startswith("graphscale")]
     assert ours, "the debug line is expected here"
     assert [r.getMessage() for r in ours if r.levelno >= logging.WARNING] == []  # WARNING: logging's default
+
+
+# ---------------------------------------------------------------- random graphs
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    gas=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    steps=st.lists(st.tuples(st.booleans(), st.integers(0, 99), st.integers(0, 99)), min_size=1, max_size=8),
+    raw=st.booleans(),
+)
+def test_fx_graph_of_any_composition_delivers_each_owned_leaf_its_factor(
+    gas: list[int], steps: list[tuple[bool, int, int]], raw: bool
+) -> None:
+    """Random mixes of applying a group's module and adding: the fx graph is
+    well formed, has one node per walked grad_fn, and every owned leaf is
+    reached with exactly its group's factor (unowned leaves under "raw": 1)."""
+    mods = [torch.nn.Linear(3, 3) for _ in gas]
+    free = torch.nn.Linear(3, 3)
+    groups = [graphscale.Group(m, gas=k, name=f"g{i}") for i, (m, k) in enumerate(zip(mods, gas))]
+    values = [torch.ones(1, 3)]
+    for apply, a, b in steps:
+        if apply:
+            values.append(mods[b % len(mods)](values[a % len(values)]))
+        else:
+            values.append(values[a % len(values)] + free(values[b % len(values)]))
+    loss = sum(v.sum() for v in values[1:])
+    plan = graphscale.explain(loss, groups=groups, unowned="raw" if raw else "any")
+    plan.graph.lint()
+    assert sum(1 for n in plan.graph.nodes if n.meta["graphscale"]["kind"] == "grad_fn") == len(walk([loss.grad_fn]))
+    factor = {g.name: g.factor() for g in groups}
+    for label, f in _factor_reaching_each_leaf(plan.graph).items():
+        assert f == pytest.approx(factor[re.search(r"\[(\w+)\.", label).group(1)]), (label, str(plan))  # type: ignore[union-attr]
+    if raw:
+        for n in plan.graph.nodes:
+            meta = n.meta["graphscale"]
+            if meta["kind"] == "grad_fn" and "[unowned" in meta["label"]:
+                assert meta["potential"] == 1.0, str(plan)
