@@ -146,6 +146,8 @@ class Audit:
         if norm is None:
             return run(*args)  # torch raises its own error
         roots, grads = norm
+        if any(g is None and isinstance(t, torch.Tensor) and t.numel() != 1 for t, g in zip(roots, grads)):
+            return run(*args)  # no seed for a non-scalar root: torch raises its own error
         _check_supported(state.groups)
         scaling = _backward._gas_scaling_enabled()
         factors = {g: (1.0 / g.gas() if scaling else 1.0) for g in state.groups}
@@ -158,8 +160,8 @@ class Audit:
         except RuntimeError as exc:
             raise GraphscaleError(
                 "graphscale.audit: could not compute the plain reference gradient with torch.autograd.grad "
-                f"({exc}). Reentrant activation checkpointing does not support it; audit with "
-                "use_reentrant=False, or outside the checkpointed model."
+                f"({exc}). Reentrant activation checkpointing, for one, does not support it: audit with "
+                "use_reentrant=False, or outside the checkpointed model. No gradient was touched."
             ) from exc
         before = [None if p.grad is None else p.grad.detach().clone() for p in leaves]
         run(*args)

@@ -278,3 +278,12 @@ def test_a_graph_autograd_grad_cannot_take_is_refused_clearly() -> None:
                           use_reentrant=True).sum()
         with pytest.raises(graphscale.GraphscaleError, match=r"^graphscale.audit: could not compute .*use_reentrant=False"):
             loss.backward()
+
+
+def test_a_non_scalar_root_without_seed_gets_torchs_own_error() -> None:
+    groups, _ = _nested()
+    out = torch.nn.functional.linear(torch.randn(4, 3), *groups[1].parameters)
+    with graphscale.install(*groups), graphscale.audit() as check:
+        with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs") as err:
+            out.backward()
+    assert not isinstance(err.value, graphscale.GraphscaleError) and check.backwards == 0
