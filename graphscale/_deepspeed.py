@@ -13,11 +13,14 @@
 #   * the output hooks: the engine's _backward_prologue_per_tensor is shadowed
 #     by an instance attribute that passes the gradient through while the
 #     engine is installed (forwards after install bind it); hook managers made
-#     by forwards *before* install are found once, at install, and pointed at
-#     the same function, so outputs made before install are exact too.  Once
-#     the engine is no longer installed that function calls DeepSpeed's own,
-#     so outputs made while installed and backpropagated after remove() get
-#     DeepSpeed's native behaviour;
+#     by forwards *before* install are found once, at install (the collector's
+#     referrers of DeepSpeed's OutputBackwardHookManager class: its instances),
+#     and pointed at the same function, so outputs made before install are
+#     exact too.  That function asks the running governed backward's snapshot
+#     (else the registry of installed engines, never the adapter that made
+#     it), so outputs made while installed and backpropagated after remove()
+#     get DeepSpeed's native behaviour, and outputs made under an earlier
+#     installation pass through under a later one;
 #   * the loss division: engine.backward is shadowed by a function that calls
 #     DeepSpeed's with scale_wrt_gas=False inside gas_scaling(scale_wrt_gas),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
@@ -57,6 +60,20 @@ def _is_pipeline(engine: Any) -> bool:
     return pipe is not None and isinstance(engine, pipe.PipelineEngine)
 
 
+def _hook_managers() -> list[Any]:
+    """Every live DeepSpeed ``OutputBackwardHookManager`` (made by engine.forward).
+
+    An instance of a Python class refers to its class, so the collector's
+    referrers of the class are its instances: one pass in C over the heap,
+    several times cheaper than iterating ``gc.get_objects()`` in Python.
+    """
+    utils = sys.modules.get("deepspeed.runtime.utils")
+    cls = getattr(utils, "OutputBackwardHookManager", None)
+    if cls is None:
+        return []
+    return [obj for obj in gc.get_referrers(cls) if type(obj) is cls]
+
+
 class EngineGroup(Group):
     """The group of a DeepSpeed engine: its module's parameters, its GAS."""
 
@@ -72,7 +89,8 @@ class _EngineAdapter:
         self.refs = 0
         self.active = False
         cls = type(engine)
-        native_per_tensor = cls._backward_prologue_per_tensor.__get__(engine, cls)
+        self._native_func = cls._backward_prologue_per_tensor
+        native_per_tensor = self._native_func.__get__(engine, cls)
         native_backward = cls.backward.__get__(engine, cls)
         self._had_own = {n: n in engine.__dict__ for n in ("_backward_prologue_per_tensor", "backward")}
         if any(self._had_own.values()):
@@ -90,8 +108,9 @@ class _EngineAdapter:
             governing = governing_state()
             if governing is not None:
                 governed = any(g._gas_key == key for g in governing.groups)
-            else:
-                governed = adapter.active
+            else:  # the registry, not this adapter: an output made under an earlier
+                # installation of this engine must pass through under a later one too
+                governed = _attached.get(id(engine)) is not None
             if governed:
                 return grad  # graphscale places the factor at the engine's leaves
             return native_per_tensor(grad)
@@ -101,10 +120,12 @@ class _EngineAdapter:
                 return native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
             had_flag = hasattr(engine, "_scale_wrt_gas")
-            with gas_scaling(scale_wrt_gas):
-                native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-            if had_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
-                engine._scale_wrt_gas = scale_wrt_gas
+            try:
+                with gas_scaling(scale_wrt_gas):
+                    native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+            finally:
+                if had_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
+                    engine._scale_wrt_gas = scale_wrt_gas
             return gas_scaled
 
         backward.__doc__ = native_backward.__doc__
@@ -116,10 +137,10 @@ class _EngineAdapter:
         engine.backward = self.backward
         self.active = True
         # Outputs of forwards run before install hold DeepSpeed's own bound method.
-        for obj in gc.get_objects():
-            fn = getattr(obj, "preprocess_per_tensor_fn", None) if type(obj).__name__ == "OutputBackwardHookManager" else None
-            if fn is not None and getattr(fn, "__self__", None) is engine and getattr(fn, "__func__", None) is not None:
-                obj.preprocess_per_tensor_fn = self.per_tensor
+        for manager in _hook_managers():
+            fn = getattr(manager, "preprocess_per_tensor_fn", None)
+            if getattr(fn, "__self__", None) is engine and getattr(fn, "__func__", None) is self._native_func:
+                manager.preprocess_per_tensor_fn = self.per_tensor
 
     def disable(self, engine: Any) -> None:
         self.active = False
