@@ -186,8 +186,8 @@ def run_demo(shapes: Sequence[Shape] = SHAPES) -> tuple[list[Row], str]:
         governed, plan = _run_shape(deepspeed, shape, governed=True)
         rows.append(Row(shape.name, alone, governed, plan))
     header = (
-        f"DeepSpeed {deepspeed.__version__}, torch {torch.__version__}, ZeRO stage {_STAGE}, CPU, one rank; "
-        f"{time.perf_counter() - t0:.1f} s"
+        f"DeepSpeed {deepspeed.__version__}, torch {torch.__version__}, ZeRO stage {_STAGE}, CPU, one rank, "
+        f"{os.environ.get('GRAPHSCALE_WALKER', 'auto')} walker; {time.perf_counter() - t0:.1f} s"
     )
     return rows, header
 
