@@ -199,7 +199,7 @@ static NativePlan plan(const py::list& roots, const Owners& owners, const std::v
   std::vector<Node*> root_nodes(nroots, nullptr);
   std::vector<Node*>& found = P.found;
   NodeIndex& index = P.index;
-  index.reserve(1024);
+  index.reserve(128);  // grows; nested plans (one checkpointed block) stay small
   bool ins;
   for (size_t r = 0; r < nroots; ++r) {
     Node* n = node_of(roots[r].ptr());
@@ -212,8 +212,8 @@ static NativePlan plan(const py::list& roots, const Owners& owners, const std::v
   std::vector<int64_t> kid_start;
   std::vector<int64_t> kids;
   std::vector<char> is_leaf;
-  kid_start.reserve(1024);
-  kids.reserve(2048);
+  kid_start.reserve(256);
+  kids.reserve(512);
   constexpr size_t kAhead = 8;  // prefetch distance: the walk is bound by memory latency on a fresh graph
   for (size_t i = 0; i < found.size(); ++i) {
     if (i + kAhead < found.size()) {
