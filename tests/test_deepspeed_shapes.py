@@ -46,8 +46,11 @@ def _checkpoint(how: tuple[str, bool], fn: Callable[..., Any], *args: Any) -> An
         import torch.utils.checkpoint as tc
 
         return tc.checkpoint(fn, *args, use_reentrant=reentrant)
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.activation_checkpointing import checkpointing as dc
 
+    if get_accelerator().Stream is None:  # DeepSpeed 0.19.5's checkpointing asks the CPU accelerator for one
+        pytest.skip(f"deepspeed.checkpointing needs an accelerator stream on {get_accelerator()._name}")
     if not dc.is_configured():
         dc.configure(None)
     return dc.checkpoint(fn, *args) if reentrant else dc.non_reentrant_checkpoint(fn, *args)
