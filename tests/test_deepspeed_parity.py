@@ -9,8 +9,9 @@ reference averages the gradients over ranks (data parallel), computed in
 every process from every rank's data.
 
 Float32 on both sides; GAS 2 and 4 and two ranks are powers of two, so the
-factors themselves are exact; what differs is summation order (DeepSpeed
-reduces into flat buffers), hence a relative bound of 1e-6, not 0.
+factors themselves are exact.  On one rank the weights were measured equal
+(error 0.0, DeepSpeed 0.19.5 and 0.19.8); the bound is 1e-6 relative so that
+a different summation order across ranks or in a later DeepSpeed passes.
 """
 from __future__ import annotations
 
@@ -130,11 +131,12 @@ def test_one_rank_training_matches_per_model_gas_reference(ds_dist: None, stage:
     assert max(worst) <= RTOL, f"relative weight error after each micro-step: {worst}"
 
 
+@pytest.mark.parametrize("variant", ["nested", "engine_plus_module"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_one_rank_training_without_graphscale_drifts_for_nested_engines(ds_dist: None, stage: int) -> None:
-    """B(A(x)) with GAS 2 and 4 is wrong with DeepSpeed alone in both
-    generations (A's factor reaches B, or B's twice), so parity can fail."""
-    worst = train_and_compare(stage, "nested", rank=0, world=1, govern=False)
+def test_one_rank_training_without_graphscale_drifts(ds_dist: None, stage: int, variant: str) -> None:
+    """DeepSpeed alone gets these wrong in both generations (measured relative
+    weight error 0.12-1.2), so the parity test above can fail."""
+    worst = train_and_compare(stage, variant, rank=0, world=1, govern=False)
     assert max(worst) > 1e-3, f"DeepSpeed alone matched the reference: {worst}"
 
 
