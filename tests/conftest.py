@@ -43,6 +43,16 @@ def _no_installation_leaks() -> Any:
     assert not _backward._active, "a plan stayed registered after its backward"
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_linear() -> Any:
+    """ZeRO-3 replaces torch.nn.functional.linear process-wide ("This will
+    persist unless manually reset"), which changes every later graph's node
+    types; put it back so no test depends on the order tests run in."""
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
+
+
 @pytest.fixture(scope="session")
 def ds_dist() -> None:
     """One-rank gloo process group for every DeepSpeed test in this process."""
