@@ -57,7 +57,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -75,6 +75,15 @@ _log = logging.getLogger("graphscale")
 ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
 
 
+# NOTE [ Per-snapshot tables ]
+# A State lives from one install()/remove() to the next, through many
+# backwards, so whatever a backward needs that depends only on what is
+# installed is made once per State, never per backward: the set of governed
+# gas keys (the DeepSpeed adapter's O(1) test in its per-tensor hook), the
+# native walker's owner table (graphscale/_native owners_for; built at install
+# when the extension is loaded already, else at the first walked backward) and
+# the checkpoint hints (NOTE [ Checkpoint hints ]).  Factors are not among
+# them: a gas callable is read at the start of every top-level backward.
 @dataclass(frozen=True)
 class State:
     """A snapshot of what is installed, read once per backward."""
@@ -82,6 +91,13 @@ class State:
     groups: tuple[Group, ...]
     owner: dict[int, Group]  # id(leaf tensor) -> group; the groups keep the leaves alive
     raw: bool  # unowned leaves must get exactly their plain gradient
+    # Derived from the above, once (NOTE [ Per-snapshot tables ]).
+    gas_keys: frozenset[object] = field(init=False, repr=False, compare=False)
+    cache: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gas_keys", frozenset(g._gas_key for g in self.groups))
+        object.__setattr__(self, "cache", {})
 
 
 _state: State | None = None
@@ -197,26 +213,40 @@ def _root_node(t: Any) -> Any:
 # chooses a potential (any choice is exact, NOTE [ Potentials ]), so a wrong
 # or stale hint costs multiplications, never correctness.
 _BackwardCFunction: type = torch.autograd.function.BackwardCFunction
-_hint_cache: tuple[Any, dict[int, tuple[Any, Group | None]]] | None = None
+
+
+def _module_parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """``module.parameters()`` without its generator machinery (about 7x
+    cheaper on a transformer block); may repeat a shared parameter."""
+    stack = [module]
+    seen = {id(module)}
+    while stack:
+        m = stack.pop()
+        for p in m._parameters.values():
+            if p is not None:
+                yield p
+        for sub in m._modules.values():
+            if sub is not None and id(sub) not in seen:
+                seen.add(id(sub))
+                stack.append(sub)
 
 
 def _hint_group(state: State, fn: Any) -> Group | None:
-    global _hint_cache
     if not isinstance(fn, torch.nn.Module):
         fn = getattr(fn, "__self__", None)
         if not isinstance(fn, torch.nn.Module):
             return None
-    cache = _hint_cache
-    if cache is None or cache[0] is not state:
-        cache = _hint_cache = (state, {})
-    hit = cache[1].get(id(fn))
+    cache = state.cache.get("hints")  # NOTE [ Per-snapshot tables ]
+    if cache is None:
+        cache = state.cache["hints"] = {}
+    hit = cache.get(id(fn))
     if hit is not None and hit[0]() is fn:
         return hit[1]
     owner = state.owner
-    groups = {owner.get(id(p)) for p in fn.parameters()}
+    groups = {owner.get(id(p)) for p in _module_parameters(fn)}
     groups.discard(None)
     g = groups.pop() if len(groups) == 1 else None
-    cache[1][id(fn)] = (weakref.ref(fn), g)
+    cache[id(fn)] = (weakref.ref(fn), g)
     return g
 
 

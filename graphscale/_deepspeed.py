@@ -107,7 +107,7 @@ class _EngineAdapter:
             # backward running on this thread decides, not a remove() since.
             governing = governing_state()
             if governing is not None:
-                governed = any(g._gas_key == key for g in governing.groups)
+                governed = key in governing.gas_keys  # NOTE [ Per-snapshot tables ]
             else:  # the registry, not this adapter: an output made under an earlier
                 # installation of this engine must pass through under a later one too
                 governed = _attached.get(id(engine)) is not None

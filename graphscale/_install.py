@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _backward
+from . import _backward, _native
 from ._errors import ConfigurationError
 from ._group import Group
 
@@ -131,6 +131,8 @@ def _refresh() -> None:
         owner=_owner_map(groups),
         raw=any(inst.unowned == "raw" for inst in _installations),
     )
+    if _native._module is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
+        _native.owners_for(state, _native._module)
     _backward.set_state(state)
     torch.autograd.backward = _backward.governed_backward
 

@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from typing import Any
 
 __all__ = ["WALKER_ENV", "WALKER_CHOICES", "walker_choice", "load", "owners_for"]
@@ -96,29 +95,25 @@ def load() -> Any:
     return _module
 
 
-# (weakref to state, Owners) for the last state seen: a weak reference, so that
-# remove() leaves no group, parameter or module alive through this cache
-# (tests/test_hardening_longrun.py).  A dead state never matches again.
-_owners_cache: tuple[Any, Any] | None = None
-
-
 def owners_for(state: Any, module: Any) -> Any:
     """The native ``Owners`` lookup (TensorImpl* -> group position) of ``state``.
 
-    Built once per installed state (install/remove makes a new one); group
-    positions follow ``state.groups``.
+    Built once per installed state and kept on it (NOTE [ Per-snapshot tables ]
+    in graphscale/_backward.py): install/remove makes a new state, and the
+    table goes with it, so it keeps no group, parameter or module alive
+    (tests/test_hardening_longrun.py).  Group positions follow ``state.groups``.
     """
-    global _owners_cache
-    cached = _owners_cache
-    if cached is not None and cached[0]() is state:
-        return cached[1]
+    owners = state.cache.get("owners")
+    if owners is not None and owners[0] is module:
+        return owners[1]
     impls: list[int] = []
     positions: list[int] = []
+    owner = state.owner
     for k, g in enumerate(state.groups):
         for p in g.parameters:
-            if state.owner.get(id(p)) is g:
+            if owner.get(id(p)) is g:
                 impls.append(p._cdata)
                 positions.append(k)
-    owners = module.Owners(impls, positions)
-    _owners_cache = (weakref.ref(state), owners)
-    return owners
+    table = module.Owners(impls, positions)
+    state.cache["owners"] = (module, table)
+    return table
