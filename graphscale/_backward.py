@@ -163,14 +163,14 @@ class _Active:
     state: State
 
 
-_active: list[_Active] = []  # walked plans whose backward is running, any thread
-_active_lock = threading.Lock()
+# Walked plans whose backward is running, any thread, innermost last.  Each
+# change is one list operation (append, remove) and each reader takes a
+# snapshot with tuple(): each is atomic, so no lock is taken on the hot path.
+_active: list[_Active] = []
 
 
 def _find_outer(node: Any) -> tuple[_Active, float] | None:
-    with _active_lock:
-        candidates = list(_active)
-    for act in reversed(candidates):
+    for act in reversed(tuple(_active)):
         p = act.plan.phi_of(node)
         if p is not None:
             return act, p
@@ -179,9 +179,7 @@ def _find_outer(node: Any) -> tuple[_Active, float] | None:
 
 def _enclosing_phi(node: Any) -> float | None:
     """The potential a running plan gave ``node``, or None where none saw it."""
-    with _active_lock:
-        candidates = list(_active)
-    for act in reversed(candidates):
+    for act in reversed(tuple(_active)):
         p = act.plan.phi_of(node)
         if p is not None:
             return p
@@ -364,8 +362,7 @@ def _applied_plan(
     hint = _checkpoint_hint(state, factors)
     native = _native.load()
     if native is not None and carrier is not None:
-        with _active_lock:
-            outer = [act.plan for act in _active]
+        outer = [act.plan for act in tuple(_active)]
         if all(isinstance(p, native.NativePlan) for p in outer):
             outer_phi = outer  # looked up in C++, no Python call per node
     if native is not None:
@@ -510,12 +507,13 @@ def _governed_backward(
     # and hand torch the same items graphscale planned for.
     tensors, grad_tensors, inputs = _materialize(tensors), _materialize(grad_tensors), _materialize(inputs)
     state = _state
+    current = torch._C._current_autograd_node()
 
     def passthrough(seeds: Any = grad_tensors) -> None:
         # NOTE [ Which snapshot an output hook obeys ]: top level only; a nested
         # backward obeys the snapshot of the backward it runs inside.
         governing = None
-        if state is not None and torch._C._current_autograd_node() is None:
+        if state is not None and current is None:
             governing = getattr(_tls, "governing", None)
             if governing is None:
                 governing = _tls.governing = []
@@ -535,14 +533,8 @@ def _governed_backward(
         return passthrough()
     roots, grads = norm
     in_list = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else inputs)
-
-    current = torch._C._current_autograd_node()
     if current is not None:
-        found = _find_outer(current)
-        if found is None:  # inside a fast-path or ungoverned backward: see NOTE [ Nested backward ]
-            return passthrough()
-        outer, p = found
-        return _run_planned(roots, grads, outer.state, outer.factors, p, p, in_list, passthrough)
+        return _nested(current, roots, grads, in_list, passthrough)
 
     if not _gas_scaling_enabled():
         return passthrough()
@@ -567,6 +559,38 @@ def _governed_backward(
     return _run_planned(roots, grads, state, factors, 1.0, None, in_list, passthrough)
 
 
+def _nested(
+    current: Any,
+    roots: tuple[Any, ...],
+    grads: list[Any],
+    inputs: Sequence[Any],
+    passthrough: Callable[..., None],
+) -> None:
+    """A backward called from inside ``current``'s backward: NOTE [ Nested backward ]."""
+    acts = tuple(_active)
+    if not acts:  # inside a fast-path or ungoverned backward
+        return passthrough()
+    native = _native._module
+    if native is not None and not inputs:
+        # One native call finds the running plan that walked ``current`` and
+        # plans this backward as _applied_plan would with that plan's state
+        # and factors (every running plan native; else the Python route below).
+        t0 = time.perf_counter()
+        found = native.nested_plan(current, [act.plan for act in acts], [_root_node(t) for t in roots],
+                                   torch.nn.Parameter)
+        if found is None:
+            return passthrough()
+        if found is not NotImplemented:
+            k, plan = found
+            outer = acts[k]
+            return _apply_plan(plan, t0, roots, grads, outer.state, outer.factors, plan.base, True, passthrough)
+    found_py = _find_outer(current)
+    if found_py is None:
+        return passthrough()
+    outer, p = found_py
+    return _run_planned(roots, grads, outer.state, outer.factors, p, p, inputs, passthrough)
+
+
 def _run_planned(
     roots: tuple[Any, ...],
     grads: list[Any],
@@ -579,12 +603,30 @@ def _run_planned(
 ) -> None:
     t0 = time.perf_counter()
     plan = _applied_plan(roots, state, factors, base, carrier, inputs)
+    return _apply_plan(plan, t0, roots, grads, state, factors, base, carrier is not None, passthrough)
+
+
+def _apply_plan(
+    plan: Any,
+    t0: float,
+    roots: tuple[Any, ...],
+    grads: list[Any],
+    state: State,
+    factors: dict[Group, float],
+    base: float,
+    nested: bool,
+    passthrough: Callable[..., None],
+) -> None:
+    """Scale the seeds, hook the nodes, run the backward, unhook in ``finally``."""
     recorder = _walk_recorder
     if recorder is not None:
         recorder(plan.num_nodes, time.perf_counter() - t0, plan.multiplications)
-    seeds = _scaled_seeds(roots, grads, plan.seeds)
-    if seeds is None:
-        return passthrough()
+    if plan.multiplications:
+        seeds = _scaled_seeds(roots, grads, plan.seeds)
+        if seeds is None:
+            return passthrough()
+    else:  # nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ])
+        seeds = grads
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s",
@@ -592,19 +634,20 @@ def _run_planned(
             (time.perf_counter() - t0) * 1e6,
             plan.multiplications,
             sorted({f"{g.name}={f:g}" for g, f in factors.items()}),
-            f", nested at base {base:g}" if carrier is not None else "",
+            f", nested at base {base:g}" if nested else "",
         )
     handles = []
     entry = _Active(plan, factors, state)
     try:
-        for node, mults in plan.hooks():
-            handles.append(node.register_hook(_post_hook(mults)))
-        with _active_lock:
-            _active.append(entry)
+        if plan.multiplications:
+            for node, mults in plan.hooks():
+                handles.append(node.register_hook(_post_hook(mults)))
+        _active.append(entry)
         passthrough(seeds)
     finally:
-        with _active_lock:
-            if entry in _active:
-                _active.remove(entry)
+        try:
+            _active.remove(entry)  # by identity (_Active compares so)
+        except ValueError:
+            pass
         for h in handles:
             h.remove()
