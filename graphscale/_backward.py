@@ -209,8 +209,13 @@ def _root_node(t: Any) -> Any:
 # one group, the outer plan pins the node to that group's factor, so the
 # nested plan, starting from that base, has nothing to multiply.  A hint only
 # chooses a potential (any choice is exact, NOTE [ Potentials ]), so a wrong
-# or stale hint costs multiplications, never correctness.
+# or stale hint costs multiplications, never correctness.  Hence a module's
+# parameters are read once, at its first hint, and kept (by id, weakly keyed
+# by the module) across installations: reading them is most of a hint's cost,
+# and a backward right after install() would pay it for every checkpointed
+# layer.  Parameters added to or replaced in a module later are not seen.
 _BackwardCFunction: type = torch.autograd.function.BackwardCFunction
+_module_param_ids: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
 
 def _module_parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
@@ -240,8 +245,11 @@ def _hint_group(state: State, fn: Any) -> Group | None:
     hit = cache.get(id(fn))
     if hit is not None and hit[0]() is fn:
         return hit[1]
+    ids = _module_param_ids.get(fn)
+    if ids is None:
+        ids = _module_param_ids[fn] = tuple({id(p): None for p in _module_parameters(fn)})
     owner = state.owner
-    groups = {owner.get(id(p)) for p in _module_parameters(fn)}
+    groups = {owner.get(i) for i in ids}
     groups.discard(None)
     g = groups.pop() if len(groups) == 1 else None
     cache[id(fn)] = (weakref.ref(fn), g)
@@ -421,8 +429,9 @@ def _scaled_seeds(roots: tuple[Any, ...], grads: list[Any], mults: Sequence[floa
                 g = torch.ones(md.shape, dtype=md.dtype, device=md.device)
             elif not isinstance(t, torch.Tensor) or t.numel() != 1:
                 return None
-            else:
-                g = torch.ones_like(t, memory_format=torch.preserve_format)
+            else:  # torch's implicit seed, already multiplied: one op instead of two
+                out[r] = torch.full_like(t, m, memory_format=torch.preserve_format)
+                continue
         out[r] = g * m
     return out
 
