@@ -585,8 +585,7 @@ def _nested(
         # plans this backward as _applied_plan would with that plan's state
         # and factors (every running plan native; else the Python route below).
         t0 = time.perf_counter()
-        found = native.nested_plan(current, [act.plan for act in acts], [_root_node(t) for t in roots],
-                                   torch.nn.Parameter)
+        found = native.nested_plan(current, acts, roots, torch.nn.Parameter)
         if found is None:
             return passthrough()
         if found is not NotImplemented:

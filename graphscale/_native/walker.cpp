@@ -149,7 +149,11 @@ struct NativePlan {
   // unique).  Not C++ intrusive_ptrs: if the last owner of a deep graph were a
   // plain intrusive_ptr, freeing it would recurse down the chain; torch frees
   // graphs owned by Python objects and tensors iteratively.
-  py::list roots;
+  py::object roots;
+  // AccumulateGrad nodes of leaf roots given as tensors (nested_plan): the
+  // tensor holds them only weakly.  They have no next edges, so holding them
+  // here cannot make a free recurse.
+  std::vector<c10::intrusive_ptr<Node>> leaf_roots;
   NodeIndex index;                              // Node* -> discovery position
   std::vector<double> phi_disc;                 // potential by discovery position
   std::vector<double> seeds;
@@ -220,7 +224,7 @@ struct Scratch {
 // hints ]), with the potentials the full computation would give.
 // outer_plans: the enclosing NativePlans, innermost first, or null (then
 // outer_phi, a callable or None, is asked).
-static NativePlan plan_core(const py::list& roots, py::object owners_obj, const std::vector<double>& factors,
+static NativePlan plan_core(py::object roots, std::vector<Node*> root_nodes, py::object owners_obj, const std::vector<double>& factors,
                             double base, bool nested, double carrier_v, bool raw, py::handle param_type,
                             const py::list& extra_nodes, const std::vector<double>& extra_values,
                             const std::vector<const NativePlan*>* outer_plans, py::object outer_phi,
@@ -244,16 +248,14 @@ static NativePlan plan_core(const py::list& roots, py::object owners_obj, const 
   P.hint = hint;
   P.base = base;
   size_t& last = nested ? last_nested : last_top;
-  const size_t nroots = roots.size();
-  std::vector<Node*> root_nodes(nroots, nullptr);
+  const size_t nroots = root_nodes.size();
   std::vector<Node*>& found = P.found;
   NodeIndex& index = P.index;
   index.reserve(last);  // grows when the guess is short
   found.reserve(last + 16);
   bool ins;
   for (size_t r = 0; r < nroots; ++r) {
-    Node* n = node_of(roots[r].ptr());
-    root_nodes[r] = n;
+    Node* n = root_nodes[r];
     if (n == nullptr) continue;
     index.get_or_insert(n, static_cast<int64_t>(found.size()), &ins);
     if (ins) found.push_back(n);
@@ -550,34 +552,38 @@ static NativePlan plan(const py::list& roots, py::object owners, const std::vect
                        py::object outer_phi, py::object hint) {
   const bool nested = !carrier.is_none();
   const double carrier_v = nested ? carrier.cast<double>() : 0.0;
+  std::vector<Node*> root_nodes(roots.size(), nullptr);
+  for (size_t r = 0; r < roots.size(); ++r) root_nodes[r] = node_of(roots[r].ptr());
   if (py::isinstance<py::list>(outer_phi)) {
     py::list lst = outer_phi.cast<py::list>();
     std::vector<const NativePlan*> outer_plans;
     for (size_t k = lst.size(); k-- > 0;) outer_plans.push_back(lst[k].cast<const NativePlan*>());
-    return plan_core(roots, owners, factors, base, nested, carrier_v, raw, param_type, extra_nodes, extra_values,
-                     &outer_plans, py::none(), hint);
+    return plan_core(roots, std::move(root_nodes), owners, factors, base, nested, carrier_v, raw, param_type,
+                     extra_nodes, extra_values, &outer_plans, py::none(), hint);
   }
-  return plan_core(roots, owners, factors, base, nested, carrier_v, raw, param_type, extra_nodes, extra_values,
-                   nullptr, outer_phi, hint);
+  return plan_core(roots, std::move(root_nodes), owners, factors, base, nested, carrier_v, raw, param_type,
+                   extra_nodes, extra_values, nullptr, outer_phi, hint);
 }
 
 // The plan of a backward nested in a node's backward (NOTE [ Nested
 // backward ] in graphscale/_backward.py), in one call: finds `current` in the
-// running plans (innermost, i.e. last, first), and plans `roots` (Python Nodes
-// or None) with that plan's owners, factors, policy and hint, base and carrier
-// its potential, every running plan as outer_phi, no inputs=.  Returns
-// (position of that plan in `plans`, NativePlan); None when no running plan
-// has `current` (pass through); NotImplemented when a running plan is not a
-// NativePlan (the caller plans through Python).
-static py::object nested_plan(py::handle current, const py::list& plans, const py::list& roots,
+// running plans (`acts`: graphscale's _Active entries, their .plan, innermost
+// last, searched innermost first), and plans `roots` (tensors or
+// GradientEdges, as graphscale/_backward.py _root_node reads them) with that
+// plan's owners, factors, policy and hint, base and carrier its potential,
+// every running plan as outer_phi, no inputs=.  Returns (position of that
+// entry in `acts`, NativePlan); None when no running plan has `current`
+// (pass through); NotImplemented when a running plan is not a NativePlan or a
+// root is neither (the caller plans through Python).
+static py::object nested_plan(py::handle current, const py::tuple& acts, const py::tuple& roots,
                               py::object param_type) {
-  const size_t m = plans.size();
+  const size_t m = acts.size();
   std::vector<py::object> keep;  // the plans stay alive while a hint may release the GIL
   std::vector<const NativePlan*> outer_plans;  // innermost first
   keep.reserve(m);
   outer_plans.reserve(m);
   for (size_t k = m; k-- > 0;) {
-    py::object obj = plans[k];
+    py::object obj = acts[k].attr("plan");
     if (!py::isinstance<NativePlan>(obj)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     outer_plans.push_back(obj.cast<const NativePlan*>());
     keep.push_back(std::move(obj));
@@ -589,9 +595,31 @@ static py::object nested_plan(py::handle current, const py::list& plans, const p
     int64_t i = op->index.get(node);
     if (i < 0) continue;
     const double p = op->phi_disc[i];
+    // Root nodes, as _root_node: an edge's node, a tensor's grad_fn, a leaf's
+    // AccumulateGrad, or none.
+    std::vector<Node*> root_nodes(roots.size(), nullptr);
+    std::vector<c10::intrusive_ptr<Node>> leaf_roots;
+    for (size_t r = 0; r < roots.size(); ++r) {
+      PyObject* obj = roots[r].ptr();
+      if (THPVariable_Check(obj)) {
+        const auto& var = THPVariable_Unpack(obj);
+        if (auto fn = var.grad_fn()) {
+          root_nodes[r] = fn.get();
+        } else if (var.requires_grad()) {
+          auto acc = torch::autograd::impl::grad_accumulator(var);
+          root_nodes[r] = acc.get();
+          leaf_roots.push_back(std::move(acc));
+        }
+      } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 1) {  // GradientEdge(node, output_nr)
+        root_nodes[r] = node_of(PyTuple_GET_ITEM(obj, 0));
+      } else {
+        return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+      }
+    }
     static const std::vector<double> no_values;
-    NativePlan P = plan_core(roots, op->owners, op->factors, p, true, p, op->raw, param_type, py::list(),
-                             no_values, &outer_plans, py::none(), op->hint);
+    NativePlan P = plan_core(roots, std::move(root_nodes), op->owners, op->factors, p, true, p, op->raw, param_type,
+                             py::list(), no_values, &outer_plans, py::none(), op->hint);
+    P.leaf_roots = std::move(leaf_roots);
     return py::make_tuple(static_cast<int64_t>(m - 1 - q), py::cast(std::move(P)));
   }
   return py::none();
