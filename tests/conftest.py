@@ -3,6 +3,8 @@ skipped cleanly where deepspeed is missing, and gradient oracles."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 import socket
 from typing import Any, Callable
 
@@ -158,4 +160,33 @@ def grad_mismatches(
     return bad
 
 
-__all__ = ["require_deepspeed", "ds_config", "full_grads", "max_rel_err", "grad_mismatches", "graphscale"]
+@contextmanager
+def spy_handles() -> Iterator[list[Any]]:
+    """Every RemovableHandle made while inside (Node and tensor register_hook make one)."""
+    made: list[Any] = []
+    original = torch.utils.hooks.RemovableHandle
+
+    class Spy(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    torch.utils.hooks.RemovableHandle = Spy  # type: ignore[misc]
+    try:
+        yield made
+    finally:
+        torch.utils.hooks.RemovableHandle = original  # type: ignore[misc]
+
+
+def graphscale_hooks_left(handles: list[Any]) -> list[str]:
+    """Of ``handles``, those still registered whose hook is graphscale's."""
+    left = []
+    for h in handles:
+        d = h.hooks_dict_ref()
+        fn = d.get(h.id) if d is not None else None
+        if fn is not None and getattr(fn, "__module__", "").startswith("graphscale"):
+            left.append(getattr(fn, "__qualname__", repr(fn)))
+    return left
+
+
+__all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "full_grads", "max_rel_err", "grad_mismatches", "graphscale"]

@@ -23,7 +23,7 @@ import torch.utils.hooks
 import graphscale
 from graphscale import _backward, _walk
 
-from conftest import max_rel_err
+from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 
@@ -42,33 +42,6 @@ def shallow_python_stack(headroom: int = 60) -> Iterator[None]:
         yield
     finally:
         sys.setrecursionlimit(old)
-
-
-@contextmanager
-def count_node_hooks() -> Iterator[list[Any]]:
-    """Every RemovableHandle made while inside (Node.register_hook makes one)."""
-    made: list[Any] = []
-    original = torch.utils.hooks.RemovableHandle
-
-    class Spy(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    torch.utils.hooks.RemovableHandle = Spy  # type: ignore[misc]
-    try:
-        yield made
-    finally:
-        torch.utils.hooks.RemovableHandle = original  # type: ignore[misc]
-
-
-def _still_registered(handles: list[Any]) -> list[Any]:
-    left = []
-    for h in handles:
-        d = h.hooks_dict_ref()
-        if d is not None and h.id in d:
-            left.append(h)
-    return left
 
 
 # ---------------------------------------------------------------- graphs
@@ -139,12 +112,12 @@ def _check(loss_fn: Callable[[], torch.Tensor], group_a: list[torch.Tensor], gro
         assert sum(1 for row in graph.edges for j in row if j >= 0) == expected_nodes - 1  # both are trees
         assert plan.multiplications == expected_mults
 
-        with count_node_hooks() as made, shallow_python_stack():
+        with spy_handles() as made, shallow_python_stack():
             t0 = time.perf_counter()
             loss.backward()
             t_backward = time.perf_counter() - t0
         assert len(made) == expected_hook_nodes, "graphscale registered hooks on more nodes than its plan names"
-        assert not _still_registered(made), "a graphscale hook stayed on a node after the backward"
+        assert not graphscale_hooks_left(made), "a graphscale hook stayed on a node after the backward"
     got = [p.grad for p in params]
     want = [g / 2 for g in plain[: len(group_a)]] + [g / 4 for g in plain[len(group_a):]]
     assert max_rel_err(got, want) < 1e-9

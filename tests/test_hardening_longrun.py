@@ -13,8 +13,6 @@ import gc
 import os
 import weakref
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Callable
 
 import pytest
@@ -24,38 +22,9 @@ import torch.utils.hooks
 import graphscale
 from graphscale import _backward
 
-from conftest import full_grads, max_rel_err, require_deepspeed
+from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
-
-
-@contextmanager
-def spy_handles() -> Iterator[list[Any]]:
-    """Every RemovableHandle made while inside (Node and tensor register_hook make one)."""
-    made: list[Any] = []
-    original = torch.utils.hooks.RemovableHandle
-
-    class Spy(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    torch.utils.hooks.RemovableHandle = Spy  # type: ignore[misc]
-    try:
-        yield made
-    finally:
-        torch.utils.hooks.RemovableHandle = original  # type: ignore[misc]
-
-
-def graphscale_hooks_left(handles: list[Any]) -> list[str]:
-    """Handles still registered whose hook is graphscale's."""
-    left = []
-    for h in handles:
-        d = h.hooks_dict_ref()
-        fn = d.get(h.id) if d is not None else None
-        if fn is not None and getattr(fn, "__module__", "").startswith("graphscale"):
-            left.append(getattr(fn, "__qualname__", repr(fn)))
-    return left
 
 
 def live_objects() -> Counter[str]:
