@@ -67,6 +67,7 @@ class Group:
         gas: GasSpec = 1,
         name: str | None = None,
     ) -> None:
+        named: list[tuple[str, torch.Tensor]]
         if isinstance(module_or_params, torch.nn.Module):
             named = list(module_or_params.named_parameters())
             default_name = type(module_or_params).__name__

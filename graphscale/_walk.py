@@ -48,7 +48,7 @@ class Graph:
 
 def walk(roots: list[Any]) -> Graph:
     """Return the :class:`Graph` reachable from ``roots`` (Nodes; None is skipped)."""
-    acc_type = ACCUMULATE_GRAD
+    acc_type: Any = ACCUMULATE_GRAD
     index: dict[Any, int] = {}
     found: list[Any] = []
     kids: list[list[int]] = []
@@ -97,7 +97,7 @@ def walk(roots: list[Any]) -> Graph:
     pos = [0] * n
     for new, old in enumerate(order):
         pos[old] = new
-    nodes = [found[old] for old in order]
+    nodes: list[Any] = [found[old] for old in order]
     edges = [tuple(pos[j] if j >= 0 else -1 for j in kids[old]) for old in order]
     new_index = {node: p for p, node in enumerate(nodes)}
     leaves = {p: node.variable for p, node in enumerate(nodes) if type(node) is acc_type}
