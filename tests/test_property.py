@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from conftest import grad_mismatches
+from _functions import BackwardThrough, Cube, Recompute
 
 D = 3
 F64 = torch.float64
@@ -34,55 +34,6 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.sub(torch.tanh(self.inp(x)))
-
-
-class Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * 3 * x**2
-
-
-class Recompute(torch.autograd.Function):
-    """``module(x)`` without grad; backward recomputes it and calls
-    ``torch.autograd.backward`` seeded with ``scale * grad`` (a nested backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.module, ctx.scale = module, scale
-        with torch.no_grad():
-            return module(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_()
-            out = ctx.module(xd)
-        torch.autograd.backward(out, grad * ctx.scale)
-        return xd.grad, None, None
-
-
-class BackwardThrough(torch.autograd.Function):
-    """``2 * h``; backward returns nothing for ``h`` but calls
-    ``torch.autograd.backward`` on ``h`` itself: a nested backward that runs
-    through part of the enclosing graph."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        ctx.keep = keep
-        return h.detach() * 2
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        torch.autograd.backward(ctx.keep, grad * 2, retain_graph=True)
-        return None, None
 
 
 class WithShared(nn.Module):

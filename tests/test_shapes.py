@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 import graphscale
 from graphscale import _backward
 from conftest import grad_mismatches
+from _functions import BackwardThrough, Cube, Recompute
 
 D = 4
 F64 = torch.float64
@@ -102,58 +103,6 @@ def run_plain_and_governed(program: Program, gas: tuple[int, ...], unowned: str)
 
 
 # ---------------------------------------------------------------- custom Functions
-class Cube(torch.autograd.Function):
-    """x**3 with a hand-written backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * 3 * x**2
-
-
-class Recompute(torch.autograd.Function):
-    """``module(x)`` run without grad; its backward recomputes and calls
-    ``torch.autograd.backward`` seeded with ``seed_scale * grad`` (a nested
-    backward, like reentrant checkpointing)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, module: nn.Module, seed_scale: float) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.module, ctx.seed_scale = module, seed_scale
-        with torch.no_grad():
-            return module(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_()
-            out = ctx.module(xd)
-        torch.autograd.backward(out, grad * ctx.seed_scale)
-        return xd.grad * ctx.seed_scale if ctx.seed_scale != 1 else xd.grad, None, None
-
-
-class BackwardThrough(torch.autograd.Function):
-    """``2 * h`` whose backward returns nothing for ``h`` but calls
-    ``torch.autograd.backward`` on ``h`` itself (kept from forward), seeded with
-    ``2 * grad``: a nested backward over part of the enclosing graph."""
-
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        ctx.keep = keep
-        return h.detach() * 2
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        torch.autograd.backward(ctx.keep, grad * 2, retain_graph=True)
-        return None, None
-
-
 # ---------------------------------------------------------------- the shapes
 def sum_of_groups(w: World) -> None:
     (w.g[0](w.x) + w.g[1](w.x)).sum().backward()
@@ -238,12 +187,12 @@ def custom_function(w: World) -> None:
 
 
 def custom_function_nested_backward(w: World) -> None:
-    (w.g[0](Recompute.apply(w.g[1](w.x), w.g[2], 1.0)) + w.g[1](w.y)).sum().backward()
+    (w.g[0](Recompute.apply(w.g[1](w.x), w.g[2], 1.0, True)) + w.g[1](w.y)).sum().backward()
 
 
 def custom_function_nested_backward_scaled_seed(w: World) -> None:
-    h = Recompute.apply(w.pre(w.x), w.g[1], 2.0)
-    (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.pre, 2.0)).sum().backward()
+    h = Recompute.apply(w.pre(w.x), w.g[1], 2.0, True)
+    (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.pre, 2.0, True)).sum().backward()
 
 
 def custom_function_backward_through_enclosing_graph(w: World) -> None:
@@ -456,7 +405,7 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
 
     def program(w: World) -> None:
         h = checkpoint(w.g[1], w.pre(w.x), use_reentrant=True)
-        (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.g[1], 2.0)).sum().backward()
+        (w.g[0](h) + Recompute.apply(w.g[0](w.y), w.g[1], 2.0, True)).sum().backward()
 
     plain_world = World((1, 1))
     program(plain_world)
