@@ -330,22 +330,22 @@ def count_nodes(loss: Any) -> int:
 def python_walk_ns(torch: Any, wl: dict[str, Any], loss: Any) -> float:
     """ns per node of the Python reference walker + planner on this graph."""
     import graphscale
-    from graphscale import _backward
+    from graphscale import _planning, _state
 
     with graphscale.install(*wl["engines"]):
-        state = _backward.current_state()
+        state = _state.current()
         assert state is not None
         factors = {g: g.factor() for g in state.groups}
         best = math.inf
         for _ in range(3):
             t0 = time.perf_counter()
-            plan = _backward.build_plan([loss], state, factors)
+            plan = _planning.build_plan([loss], _planning.PlanRequest(state, factors))
             best = min(best, time.perf_counter() - t0)
     return best / len(plan.graph) * 1e9
 
 
 def run_row(torch: Any, wl_name: str, wl: dict[str, Any], size: Size, reps: int, device: str, bar: Any) -> Row:
-    from graphscale import _backward
+    from graphscale import _state
 
     row = Row(workload=wl_name, size=size.label, hidden=size.hidden)
     gen = torch.Generator().manual_seed(1234)
@@ -392,7 +392,7 @@ def run_row(torch: Any, wl_name: str, wl: dict[str, Any], size: Size, reps: int,
                 gc.disable()
                 records.clear()
                 if name == "graphscale":
-                    _backward._walk_recorder = recorder
+                    _state.walk_recorder = recorder
                 try:
                     sync()
                     t0 = time.perf_counter()
@@ -400,7 +400,7 @@ def run_row(torch: Any, wl_name: str, wl: dict[str, Any], size: Size, reps: int,
                     sync()
                     dt = time.perf_counter() - t0
                 finally:
-                    _backward._walk_recorder = None
+                    _state.walk_recorder = None
                     gc.enable()
                 del loss
             if rep >= warmup:

@@ -14,8 +14,8 @@ any graph and any backward style.
 """
 from __future__ import annotations
 
-from ._audit import Audit, AuditError, audit
-from ._errors import ConfigurationError, GraphscaleError
+from ._audit import Audit, audit
+from ._errors import AuditError, ConfigurationError, GraphscaleError
 from ._explain import ExplainedPlan, explain
 from ._group import Group
 from ._install import Installation, install

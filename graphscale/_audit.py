@@ -19,30 +19,29 @@
 """
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import _backward
-from ._errors import GraphscaleError
+from . import _state
+from ._backward import normalize
+from ._errors import AuditError, GraphscaleError
 from ._group import Group
+from ._planning import root_node
+from ._render import format_table
+from ._state import State
 
 __all__ = ["audit", "Audit", "AuditError", "Mismatch"]
 
 _log = logging.getLogger("graphscale")
 
 UNOWNED = "(unowned)"
-
-
-class AuditError(GraphscaleError):
-    """A governed backward gave some leaf a gradient other than factor x plain gradient."""
 
 
 @dataclass(frozen=True)
@@ -100,20 +99,16 @@ class Audit:
     _prev: Any = field(default=None, repr=False)
     _entered: bool = field(default=False, repr=False)
 
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
     def __enter__(self) -> Audit:
         if self._entered:
             raise GraphscaleError("graphscale.audit: this audit is already active; make a new one with audit().")
         self._entered = True
-        self._prev = _backward._observer
-        _backward._observer = self._observe
+        self._prev = _state.observer
+        _state.observer = self._observe
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _backward._observer = self._prev
+        _state.observer = self._prev
         self._prev = None
 
     def report(self) -> str:
@@ -121,41 +116,41 @@ class Audit:
             f"graphscale audit: {self.backwards} backward(s), {len(self.mismatches)} mismatch(es) "
             f"(rtol={self.rtol:g}, atol={self.atol:g})"
         ]
-        rows = [["group", "factor", "leaves", "backwards", "grad norm (last)", "expected", "worst rel err"]]
-        for name, s in self._stats.items():
-            rows.append([
-                name, f"{s.factor:g}", str(s.leaves), str(s.backwards), f"{math.sqrt(s.got_sq):.6g}",
-                f"{math.sqrt(s.want_sq):.6g}", f"{s.worst_rel:.3g}",
-            ])
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        rows = [[name, f"{s.factor:g}", str(s.leaves), str(s.backwards), f"{math.sqrt(s.got_sq):.6g}",
+                 f"{math.sqrt(s.want_sq):.6g}", f"{s.worst_rel:.3g}"] for name, s in self._stats.items()]
+        lines.append(format_table(
+            ["group", "factor", "leaves", "backwards", "grad norm (last)", "expected", "worst rel err"], rows, rule=False))
         lines += [f"  {m}" for m in self.mismatches]
         return "\n".join(lines)
 
     __str__ = report
 
+    @property
+    def ok(self) -> bool:
+        """No mismatch found so far."""
+        return not self.mismatches
+
     # ------------------------------------------------------------ the check
     def _observe(self, run: Callable[..., None], tensors: Any, grad_tensors: Any, retain_graph: Any,
                  create_graph: bool, grad_variables: Any, inputs: Any) -> None:
         args = (tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        state = _backward.current_state()
+        state = _state.current()
         if state is None or grad_variables is not None or torch._C._current_autograd_node() is not None:
             return run(*args)  # nested backwards are checked as part of the outer one
-        norm = _backward._normalize(tensors, grad_tensors)
+        norm = normalize(tensors, grad_tensors)
         if norm is None:
             return run(*args)  # torch raises its own error
         roots, grads = norm
         if any(g is None and isinstance(t, torch.Tensor) and t.numel() != 1 for t, g in zip(roots, grads)):
             return run(*args)  # no seed for a non-scalar root: torch raises its own error
         _check_supported(state.groups)
-        scaling = _backward._gas_scaling_enabled()
+        scaling = _state.gas_scaling_enabled()
         factors = {g: (1.0 / g.gas() if scaling else 1.0) for g in state.groups}
         leaves = _leaves(roots, inputs)
         if not leaves:
             return run(*args)
         try:
-            with _deepspeed_prologues_held():
+            with _prologues_held():
                 ref = torch.autograd.grad(roots, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
         except RuntimeError as exc:
             raise GraphscaleError(
@@ -168,7 +163,7 @@ class Audit:
         self.backwards += 1
         self._compare(state, factors, leaves, ref, before)
 
-    def _compare(self, state: _backward.State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
+    def _compare(self, state: State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
                  ref: Sequence[torch.Tensor | None], before: Sequence[torch.Tensor | None]) -> None:
         n = self.backwards
         # rows: (group, parameter, delta of .grad, plain gradient, rounding slack, factor or None)
@@ -176,7 +171,7 @@ class Audit:
         for p, g, b in zip(leaves, ref, before):
             after = p.grad
             owner = state.owner.get(id(p))
-            name = owner._param_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
+            name = owner.param_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
             gg = torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
             if after is None:
                 if g is not None and bool(gg.any()):
@@ -304,7 +299,7 @@ def _leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
     if inputs is not None:
         ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         return [t for t in ins if isinstance(t, torch.Tensor) and t.grad_fn is None and t.requires_grad]
-    stack = [_backward._root_node(t) for t in roots]
+    stack = [root_node(t) for t in roots]
     seen: set[Any] = set()
     out: list[torch.Tensor] = []
     ids: set[int] = set()
@@ -326,13 +321,10 @@ def _leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
 def _check_supported(groups: Sequence[Group]) -> None:
     if "deepspeed" not in sys.modules:
         return
-    from ._deepspeed import EngineGroup
+    from ._deepspeed import zero_stage
 
     for g in groups:
-        if not isinstance(g, EngineGroup):
-            continue
-        engine = getattr(g._gas, "__self__", None)  # the engine's gradient_accumulation_steps, bound
-        stage = engine.zero_optimization_stage() if engine is not None else 0
+        stage = zero_stage(g)
         if stage >= 2:
             raise GraphscaleError(
                 f"graphscale.audit: group {g.name!r} is a DeepSpeed engine at ZeRO stage {stage}, which moves "
@@ -342,19 +334,11 @@ def _check_supported(groups: Sequence[Group]) -> None:
             )
 
 
-@contextmanager
-def _deepspeed_prologues_held() -> Iterator[None]:
-    """Hold back DeepSpeed's once-per-backward output-hook prologue for the
-    reference pass (NOTE [ Audit reference ])."""
+def _prologues_held() -> Any:
+    """DeepSpeed's once-per-backward prologue held back for the reference pass
+    (NOTE [ Audit reference ]); nothing to hold without deepspeed."""
     if "deepspeed" not in sys.modules:
-        yield
-        return
-    pending = [o for o in gc.get_objects()
-               if type(o).__name__ == "OutputBackwardHookManager" and getattr(o, "preprocess_done", True) is False]
-    for m in pending:
-        m.preprocess_done = True
-    try:
-        yield
-    finally:
-        for m in pending:
-            m.preprocess_done = False
+        return nullcontext()
+    from ._deepspeed import prologues_held
+
+    return prologues_held()

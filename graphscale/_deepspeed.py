@@ -36,11 +36,14 @@ from typing import Any, Callable
 
 import torch
 
-from ._backward import gas_scaling, governing_state
+from contextlib import contextmanager
+from collections.abc import Iterator
+
 from ._errors import GraphscaleError
 from ._group import Group
+from ._state import gas_scaling, governing_state
 
-__all__ = ["is_engine", "attach", "EngineGroup"]
+__all__ = ["is_engine", "attach", "EngineGroup", "zero_stage", "prologues_held"]
 
 _lock = threading.Lock()
 _attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
@@ -75,13 +78,40 @@ def _hook_managers() -> list[Any]:
 
 
 class EngineGroup(Group):
-    """The group of a DeepSpeed engine: its module's parameters, its GAS."""
+    """The group of a DeepSpeed engine: its module's parameters, its GAS.
 
-    __slots__ = ()
+    ``engine``: the engine (its bound ``gradient_accumulation_steps`` is the
+    group's gas callable, which holds it anyway).
+    """
+
+    __slots__ = ("engine",)
 
     def __init__(self, engine: Any, name: str) -> None:
         super().__init__(engine.module, gas=engine.gradient_accumulation_steps, name=name)
-        self._gas_key = ("engine", id(engine))
+        self._factor_key = ("engine", id(engine))
+        self.engine: Any = engine
+
+
+def zero_stage(group: Group) -> int:
+    """The ZeRO stage of an engine's group (0 for plain groups)."""
+    engine = getattr(group, "engine", None)
+    return int(engine.zero_optimization_stage()) if engine is not None else 0
+
+
+@contextmanager
+def prologues_held() -> Iterator[None]:
+    """Hold back DeepSpeed's once-per-backward output-hook prologue (timers,
+    ZeRO bookkeeping, the queued epilogue) for a backward that is not the real
+    one (graphscale.audit's reference pass): the pending hook managers are
+    marked done for the duration of the block."""
+    pending = [m for m in _hook_managers() if getattr(m, "preprocess_done", True) is False]
+    for m in pending:
+        m.preprocess_done = True
+    try:
+        yield
+    finally:
+        for m in pending:
+            m.preprocess_done = False
 
 
 class _EngineAdapter:
@@ -103,11 +133,11 @@ class _EngineAdapter:
         key = ("engine", id(engine))
 
         def per_tensor(grad: Any) -> Any:
-            # NOTE [ Which snapshot an output hook obeys ] (in _backward.py): the
+            # NOTE [ Which snapshot an output hook obeys ] (in _state.py): the
             # backward running on this thread decides, not a remove() since.
             governing = governing_state()
             if governing is not None:
-                governed = key in governing.gas_keys  # NOTE [ Per-snapshot tables ]
+                governed = key in governing.factor_keys  # NOTE [ Per-snapshot tables ]
             else:  # the registry, not this adapter: an output made under an earlier
                 # installation of this engine must pass through under a later one too
                 governed = _attached.get(id(engine)) is not None

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ._render import format_table as _format_table
+
 __all__ = ["Shape", "Row", "SHAPES", "run_demo", "format_table", "EXACT"]
 
 EXACT = 1e-5  # largest relative error still called exact (float32 round-off is ~1e-7)
@@ -198,19 +200,15 @@ def format_table(rows: Sequence[Row], header: str) -> str:
     def cell(err: float) -> str:
         return f"{err:.2g}  " + ("exact" if err <= EXACT else "WRONG")
 
-    table = [["shape", "DeepSpeed alone", "with graphscale", "graphscale's plan"]]
-    table += [[r.shape, cell(r.deepspeed_alone), cell(r.graphscale), r.plan] for r in rows]
-    widths = [max(len(r[c]) for r in table) for c in range(4)]
+    table = _format_table(["shape", "DeepSpeed alone", "with graphscale", "graphscale's plan"],
+                          [[r.shape, cell(r.deepspeed_alone), cell(r.graphscale), r.plan] for r in rows])
     lines = [
         f"graphscale demo: {header}",
         "largest relative gradient error vs a plain-PyTorch oracle (each engine's parameters: 1/GAS x the "
         "plain gradient; 1 under scale_wrt_gas=False)",
         "",
+        table,
     ]
-    for i, r in enumerate(table):
-        lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-        if i == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
     lines += [
         "",
         "DeepSpeed divides by GAS at each engine's output tensors (<= 0.19.5), or divides the whole loss by the",

@@ -2,11 +2,11 @@
 
 Every message starts with ``graphscale:``, names the object at fault and says
 how to fix it.  User input is never checked with a bare ``assert``;
-``_internal_assert`` is for graphscale's own invariants only.
+``internal_assert`` is for graphscale's own invariants only.
 """
 from __future__ import annotations
 
-__all__ = ["GraphscaleError", "ConfigurationError", "InternalError"]
+__all__ = ["GraphscaleError", "ConfigurationError", "AuditError", "InternalError", "internal_assert"]
 
 
 class GraphscaleError(RuntimeError):
@@ -21,10 +21,15 @@ class ConfigurationError(GraphscaleError):
     """
 
 
+class AuditError(GraphscaleError):
+    """A governed backward gave some leaf a gradient other than factor x plain gradient
+    (raised by :func:`graphscale.audit`)."""
+
+
 class InternalError(GraphscaleError):
     """An invariant of graphscale itself broke: a bug, please report it."""
 
 
-def _internal_assert(cond: bool, msg: str) -> None:
+def internal_assert(cond: bool, msg: str) -> None:
     if not cond:
         raise InternalError(f"graphscale: internal invariant broken: {msg}. This is a bug in graphscale.")

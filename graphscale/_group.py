@@ -59,7 +59,7 @@ class Group:
         2
     """
 
-    __slots__ = ("name", "_gas", "_params", "_param_names", "_gas_key", "__weakref__")
+    __slots__ = ("name", "_gas", "_params", "_param_names", "_factor_key", "__weakref__")
 
     def __init__(
         self,
@@ -91,10 +91,10 @@ class Group:
                 "engine itself to graphscale.install()."
             )
         if callable(gas):
-            self._gas_key: object = ("callable", id(gas))
+            self._factor_key: object = ("callable", id(gas))
         else:
             _check_gas_value(gas, "Group(gas=...)")
-            self._gas_key = ("int", gas)
+            self._factor_key = ("int", gas)
         self._gas = gas
         self.name = name if name is not None else f"{default_name}#{next(_counter)}"
         seen: set[int] = set()
@@ -132,7 +132,15 @@ class Group:
         """``1 / gas()``: what every owned leaf's gradient is multiplied by."""
         return 1.0 / self.gas()
 
-    def _param_name(self, p: torch.Tensor) -> str:
+    @property
+    def factor_key(self) -> object:
+        """Identifies where the factor comes from: groups with equal keys always
+        have equal factors (the same int gas, the same callable, the same
+        engine), so they may share a leaf."""
+        return self._factor_key
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """The name of ``p`` in this group (its module's parameter name), or ``"?"``."""
         for q, n in zip(self._params, self._param_names):
             if q is p:
                 return n

@@ -2,7 +2,7 @@
 the interception of ``torch.autograd.backward``.
 
 Several installations may be active at once; their groups add up.  The
-registry turns them into one immutable :class:`~graphscale._backward.State`
+registry turns them into one immutable :class:`~graphscale._state.State`
 snapshot that each backward reads once, so installing or removing on another
 thread never changes a backward already running.
 """
@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from . import _backward, _native
-from ._errors import ConfigurationError
+from . import _backward, _native, _state
 from ._group import Group
+from ._state import UNOWNED_POLICIES
 
-__all__ = ["Installation", "install", "UNOWNED_POLICIES"]
-
-UNOWNED_POLICIES = ("any", "raw")
+__all__ = ["Installation", "install"]
 
 _lock = threading.RLock()
 _installations: list[Installation] = []
@@ -97,43 +94,22 @@ def _as_group(obj: Any, detachers: list[Any]) -> Group:
     )
 
 
-def _owner_map(groups: Iterable[Group]) -> dict[int, Group]:
-    owner: dict[int, Group] = {}
-    for g in groups:
-        for p in g.parameters:
-            prev = owner.get(id(p))
-            if prev is None or prev is g:
-                owner[id(p)] = g
-            elif prev._gas_key != g._gas_key:
-                raise ConfigurationError(
-                    f"graphscale: parameter {g._param_name(p)!r} (shape {tuple(p.shape)}) is in group "
-                    f"{prev.name!r} and in group {g.name!r}, whose gradient-accumulation steps may "
-                    "differ, so no single factor is right for it. Put it in one group only, or give "
-                    "both groups the same gas."
-                )
-    return owner
-
 
 def _refresh() -> None:
     """Rebuild the snapshot from the active installations; patch or unpatch torch."""
     if not _installations:
-        _backward.set_state(None)
+        _state.set_current(None)
         if torch.autograd.backward is _backward.governed_backward:
             torch.autograd.backward = _backward.ORIGINAL_BACKWARD
         return
-    groups: list[Group] = []
-    for inst in _installations:
-        for g in inst._groups:
-            if g not in groups:
-                groups.append(g)
-    state = _backward.State(
-        groups=tuple(groups),
-        owner=_owner_map(groups),
-        raw=any(inst.unowned == "raw" for inst in _installations),
+    state = _state.State.of(
+        (g for inst in _installations for g in inst._groups),
+        "raw" if any(inst.unowned == "raw" for inst in _installations) else "any",
     )
-    if _native._module is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
-        _native.owners_for(state, _native._module)
-    _backward.set_state(state)
+    native = _native.loaded()
+    if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
+        _native.owners_for(state, native)
+    _state.set_current(state)
     torch.autograd.backward = _backward.governed_backward
 
 

@@ -13,13 +13,17 @@ from typing import Any
 
 import torch
 
+from ._errors import InternalError, internal_assert
+
 __all__ = ["Graph", "walk", "ACCUMULATE_GRAD"]
 
 
 def _accumulate_grad_type() -> type:
     leaf = torch.zeros(1, requires_grad=True)
     node = leaf.mul(1).grad_fn
-    assert node is not None  # torch itself, not user input
+    if node is None:
+        raise InternalError("graphscale: internal invariant broken: a product of a leaf has no grad_fn. "
+                            "This is a bug in graphscale.")
     return type(node.next_functions[0][0])
 
 
@@ -92,8 +96,8 @@ def walk(roots: list[Any]) -> Graph:
                 if indeg[j] == 0:
                     order.append(j)
         k += 1
-    if len(order) != n:  # autograd graphs are acyclic; a cycle means torch changed under us
-        raise RuntimeError("graphscale: the grad_fn graph has a cycle; please report this.")
+    # autograd graphs are acyclic; a cycle means torch changed under us
+    internal_assert(len(order) == n, "the grad_fn graph has a cycle")
     pos = [0] * n
     for new, old in enumerate(order):
         pos[old] = new

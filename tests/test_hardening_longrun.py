@@ -20,7 +20,7 @@ import torch
 import torch.utils.hooks
 
 import graphscale
-from graphscale import _backward
+from graphscale import _state
 
 from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
@@ -37,7 +37,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-GRAPHSCALE_TYPES = {"Installation", "Group", "EngineGroup", "State", "Plan", "Graph", "_Active", "_PyApplied",
+GRAPHSCALE_TYPES = {"Installation", "Group", "EngineGroup", "State", "Plan", "Graph", "Running", "PyPlan",
                     "_EngineAdapter", "NativePlan"}
 
 
@@ -79,7 +79,7 @@ def _train(make_engine: Any, steps: int, direct: bool, stage: int) -> None:
                     actor.backward(loss)
             left = graphscale_hooks_left(made)
             assert not left, f"step {step}: graphscale hooks left on nodes: {left}"
-            assert not _backward._active, f"step {step}: a plan stayed registered"
+            assert not _state.running(), f"step {step}: a plan stayed registered"
             for i, (e, _) in enumerate(engines):
                 err = max_rel_err(full_grads(e), acc[i])
                 assert err < 1e-5, f"step {step}: engine {i} relative error {err:.3g}"

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch.autograd.graph import get_gradient_edge
 
 import graphscale
-from graphscale import _backward, _install, _native
+from graphscale import _native, _planning
+from graphscale._state import State
 from graphscale._errors import GraphscaleError
 
 
@@ -84,7 +85,7 @@ def random_case(seed: int) -> dict[str, Any]:
     raw = rng.random() < 0.3
     nested = rng.random() < 0.3
     inputs = [rng.choice(made)] if raw and rng.random() < 0.5 else []
-    state = _backward.State(groups=tuple(groups), owner=_install._owner_map(groups), raw=raw)
+    state = State.of(groups, "raw" if raw else "any")
     factors = {g: g.factor() for g in groups}
     base = rng.choice([0.25, 0.5]) if nested else 1.0
     carrier = base if nested else None
@@ -107,25 +108,12 @@ def random_case(seed: int) -> dict[str, Any]:
 
 
 def assert_same_plan(native: Any, case: dict[str, Any]) -> None:
-    ref = _backward.build_plan(
-        case["roots"], case["state"], case["factors"], base=case["base"], carrier=case["carrier"],
-        inputs=case["inputs"], outer_phi=case.get("outer_phi"), hint=case.get("hint"),
+    request = _planning.PlanRequest(
+        case["state"], case["factors"], base=case["base"], carrier=case["carrier"],
+        inputs=tuple(case["inputs"]), outer_phi=case.get("outer_phi"), hint=case.get("hint"),
     )
-    st_ = case["state"]
-    extra = [t.grad_fn for t in case["inputs"]] if st_.raw else []
-    got = native.plan(
-        [_backward._root_node(t) for t in case["roots"]],
-        _native.owners_for(st_, native),
-        [case["factors"][g] for g in st_.groups],
-        case["base"],
-        case["carrier"],
-        st_.raw,
-        torch.nn.Parameter,
-        extra,
-        [case["carrier"] if case["carrier"] is not None else 1.0] * len(extra),
-        case.get("outer_phi"),
-        case.get("hint"),
-    )
+    ref = _planning.build_plan(case["roots"], request)
+    got = _planning.native_plan(native, case["roots"], request)
     problems = []
     if got.num_nodes != len(ref.graph):
         problems.append(f"nodes {got.num_nodes} != {len(ref.graph)}")
@@ -169,7 +157,7 @@ def test_native_plan_equals_python_plan_on_a_large_graph(native: Any) -> None:
             y = y + 0.0
         branches.append(y)
     loss = (x + torch.stack(branches).sum()).sum()
-    state = _backward.State(groups=groups, owner=_install._owner_map(groups), raw=False)
+    state = State.of(groups, "any")
     case = dict(roots=[loss], state=state, factors={g: g.factor() for g in groups}, base=1.0, carrier=None, inputs=[])
     assert_same_plan(native, case)
 
@@ -177,9 +165,8 @@ def test_native_plan_equals_python_plan_on_a_large_graph(native: Any) -> None:
 def test_phi_of_unknown_node_is_none(native: Any) -> None:
     p = torch.nn.Parameter(torch.ones(2))
     groups = (graphscale.Group([p], gas=2),)
-    state = _backward.State(groups=groups, owner=_install._owner_map(groups), raw=False)
-    plan = native.plan([(p * 2).sum().grad_fn], _native.owners_for(state, native), [0.5], 1.0, None, False,
-                       torch.nn.Parameter, [], [], None, None)
+    state = State.of(groups, "any")
+    plan = _planning.native_plan(native, [(p * 2).sum()], _planning.PlanRequest(state, {groups[0]: 0.5}))
     assert plan.phi_of((p * 3).grad_fn) is None
     assert plan.phi_of(None) is None
 

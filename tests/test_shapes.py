@@ -19,7 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward
+from graphscale import _backward, _planning, _state
 from conftest import grad_mismatches
 from _functions import BackwardThrough, Cube, Recompute
 
@@ -400,7 +400,8 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
 
         return wrapped
 
-    for name in ("build_plan", "_scaled_seeds", "_post_hook", "_run_planned"):
+    monkeypatch.setattr(_planning, "plan_backward", spy("plan_backward", _planning.plan_backward))
+    for name in ("_scaled_seeds", "_post_hook", "_run_plan"):
         monkeypatch.setattr(_backward, name, spy(name, getattr(_backward, name)))
 
     def program(w: World) -> None:
@@ -419,7 +420,7 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
     world = World((1, 2))
     with graphscale.install(*world.groups(), unowned=unowned):
         program(world)
-    assert "_run_planned" in calls
+    assert "_run_plan" in calls
 
 
 # ---------------------------------------------------------------- walk size and multiplications
@@ -470,11 +471,11 @@ def test_walk_visits_each_node_once_and_multiplies_once_per_group_boundary(
     x, y = (world.x, world.y) if inputs_require_grad else (world.x.detach(), world.y.detach())
     loss = loss_of(world, x, y)
     with graphscale.install(*world.groups(), unowned=unowned):
-        state = _backward.current_state()
+        state = _state.current()
         assert state is not None
         factors = {g: g.factor() for g in state.groups}
         assert _backward.fast_path_factor(state, factors) is None  # these backwards walk
-        plan = _backward.build_plan([loss], state, factors)
+        plan = _planning.build_plan([loss], _planning.PlanRequest(state, factors))
     assert len(plan.graph) == _reachable(loss.grad_fn)
     assert plan.multiplications == multiplications
 
@@ -484,7 +485,7 @@ def test_group_and_its_submodule_take_the_fast_path(monkeypatch: pytest.MonkeyPa
     walked: list[Any] = []
     seed_mults: list[float] = []
     real_seeds = _backward._scaled_seeds
-    monkeypatch.setattr(_backward, "_run_planned", lambda *a, **k: walked.append(a))
+    monkeypatch.setattr(_backward, "_run_plan", lambda *a, **k: walked.append(a))
 
     def seeds(roots: Any, grads: Any, mults: Any) -> Any:
         seed_mults.extend(m for m in mults if m != 1.0)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["WALKER_ENV", "WALKER_CHOICES", "walker_choice", "load", "owners_for"]
+__all__ = ["WALKER_ENV", "WALKER_CHOICES", "walker_choice", "load", "loaded", "owners_for"]
 
 _log = logging.getLogger("graphscale")
 
@@ -95,11 +95,16 @@ def load() -> Any:
     return _module
 
 
+def loaded() -> Any:
+    """The extension if it is loaded already, else None; never builds or loads."""
+    return _module
+
+
 def owners_for(state: Any, module: Any) -> Any:
     """The native ``Owners`` lookup (TensorImpl* -> group position) of ``state``.
 
     Built once per installed state and kept on it (NOTE [ Per-snapshot tables ]
-    in graphscale/_backward.py): install/remove makes a new state, and the
+    in graphscale/_state.py): install/remove makes a new state, and the
     table goes with it, so it keeps no group, parameter or module alive
     (tests/test_hardening_longrun.py).  Group positions follow ``state.groups``.
     """

@@ -1,0 +1,300 @@
+"""The planning front end: from a backward's roots and the installed state to a plan.
+
+:func:`build_plan` is the reference: walk (``_walk.py``), choose the pins
+(owned leaves, unowned leaves by policy, checkpoint hints, nodes an enclosing
+plan already governs), then choose potentials (``_plan.py``).  The native
+walker (``_native/walker.cpp``) repeats exactly this computation in C++;
+:func:`plan_backward` uses it when it is loaded and this module otherwise.
+Both return an object with the same surface (:class:`PyPlan`): ``seeds``,
+``num_nodes``, ``multiplications``, ``hooks()``, ``phi_of(node)``.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any, Callable
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from . import _native, _state
+from ._group import Group
+from ._plan import Plan, make_plan
+from ._state import State
+from ._walk import walk
+
+__all__ = [
+    "root_node", "PlanRequest", "build_plan", "PyPlan", "native_plan", "plan_backward", "plan_nested",
+    "top_level_request", "checkpoint_hint",
+]
+
+
+def root_node(t: Any) -> Any:
+    """The node a backward root starts at: an edge's node, a tensor's
+    ``grad_fn``, a leaf's ``AccumulateGrad``; None for a tensor without grad."""
+    if isinstance(t, GradientEdge):
+        return t.node
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return get_gradient_edge(t).node
+    return None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one backward asks the planner.
+
+    ``state``/``factors``: the snapshot and the factors read for this backward.
+    ``base``: the potential the seeds already carry (1 at top level; a nested
+    backward's enclosing potential, NOTE [ Nested backward ] in _backward.py).
+    ``carrier``: in a nested backward, the potential unowned non-Parameter
+    leaves must end at; None at top level.
+    ``inputs``: the backward's ``inputs=`` (non-leaf ones receive ``.grad``
+    and are pinned under ``unowned="raw"``).
+    ``outer_phi``: the potential an enclosing plan gave a node, or None where
+    none saw it (NOTE [ Unowned leaves in nested backward ]); None at top level.
+    ``hint``: a potential for a custom-Function node, or None (NOTE [
+    Checkpoint hints ]).
+    """
+
+    state: State
+    factors: Mapping[Group, float]
+    base: float = 1.0
+    carrier: float | None = None
+    inputs: tuple[Any, ...] = ()
+    outer_phi: Callable[[Any], float | None] | None = None
+    hint: Callable[[Any], float | None] | None = None
+
+    @cached_property
+    def input_pins(self) -> tuple[tuple[Any, float], ...]:
+        """(node, potential) for each non-leaf ``inputs=`` tensor under raw."""
+        if not self.state.raw:
+            return ()
+        value = self.carrier if self.carrier is not None else 1.0
+        return tuple((t.grad_fn, value) for t in self.inputs
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+
+    @cached_property
+    def factor_list(self) -> list[float]:
+        """The factors in ``state.groups`` order (what the native walker indexes)."""
+        return [self.factors[g] for g in self.state.groups]
+
+
+# NOTE [ Checkpoint hints ]
+# A reentrant checkpoint (torch's or DeepSpeed's) is one custom-Function node
+# in the outer graph; the parameters it uses are leaves only of the nested
+# graph recomputed in its backward, which the outer walk cannot see.  Left to
+# the outer plan, such a node is "free" and gets its parent's potential, and
+# every nested plan then multiplies at its own seed and carriers: a few
+# multiplications per checkpointed layer.  Both checkpoints keep the function
+# they recompute as ctx.run_function, and the node is the ctx: when that is an
+# nn.Module (or a bound method of one) all of whose owned parameters belong to
+# one group, the outer plan pins the node to that group's factor, so the
+# nested plan, starting from that base, has nothing to multiply.  A hint only
+# chooses a potential (any choice is exact, NOTE [ Potentials ]), so a wrong
+# or stale hint costs multiplications, never correctness.  Hence a module's
+# parameters are read once, at its first hint, and kept (by id, weakly keyed
+# by the module) across installations: reading them is most of a hint's cost,
+# and a backward right after install() would pay it for every checkpointed
+# layer.  Parameters added to or replaced in a module later are not seen.
+_BackwardCFunction: type = torch.autograd.function.BackwardCFunction
+_module_param_ids: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+
+def _module_parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """``module.parameters()`` without its generator machinery (about 7x
+    cheaper on a transformer block); may repeat a shared parameter."""
+    stack = [module]
+    seen = {id(module)}
+    while stack:
+        m = stack.pop()
+        for p in m._parameters.values():
+            if p is not None:
+                yield p
+        for sub in m._modules.values():
+            if sub is not None and id(sub) not in seen:
+                seen.add(id(sub))
+                stack.append(sub)
+
+
+def _hint_group(state: State, fn: Any) -> Group | None:
+    if not isinstance(fn, torch.nn.Module):
+        fn = getattr(fn, "__self__", None)
+        if not isinstance(fn, torch.nn.Module):
+            return None
+    cache = state.cache.get("hints")  # NOTE [ Per-snapshot tables ]
+    if cache is None:
+        cache = state.cache["hints"] = {}
+    hit = cache.get(id(fn))
+    if hit is not None and hit[0]() is fn:
+        return hit[1]
+    ids = _module_param_ids.get(fn)
+    if ids is None:
+        ids = _module_param_ids[fn] = tuple({id(p): None for p in _module_parameters(fn)})
+    owner = state.owner
+    groups = {owner.get(i) for i in ids}
+    groups.discard(None)
+    g = groups.pop() if len(groups) == 1 else None
+    cache[id(fn)] = (weakref.ref(fn), g)
+    return g
+
+
+def checkpoint_hint(state: State, factors: Mapping[Group, float]) -> Callable[[Any], float | None]:
+    """The hint of NOTE [ Checkpoint hints ] for one backward's factors."""
+
+    def hint(node: Any) -> float | None:
+        g = _hint_group(state, getattr(node, "run_function", None))
+        return None if g is None else factors.get(g)
+
+    return hint
+
+
+# ---------------------------------------------------------------- the Python reference
+def _pins(graph: Any, request: PlanRequest) -> tuple[dict[int, float], set[int]]:
+    """Node index -> the potential it must have; and the enclosed nodes (NOTE [
+    Nested backward through the enclosing graph ]), whose edges an enclosing
+    plan multiplies already.  Later pins overwrite earlier ones; the native
+    walker keeps this order (leaves, hints, inputs=, enclosed)."""
+    owner, factors, carrier, outer_phi = request.state.owner, request.factors, request.carrier, request.outer_phi
+    raw = request.state.raw
+    pins: dict[int, float] = {}
+    for i, var in graph.leaves.items():
+        g = owner.get(id(var))
+        if g is not None:
+            pins[i] = factors[g]
+            continue
+        seen = outer_phi(graph.nodes[i]) if outer_phi is not None else None
+        if seen is not None:
+            pins[i] = seen
+        elif carrier is not None and not isinstance(var, torch.nn.Parameter):
+            pins[i] = carrier
+        elif raw or carrier is not None:
+            pins[i] = 1.0
+    if request.hint is not None:  # NOTE [ Checkpoint hints ]
+        for i, node in enumerate(graph.nodes):
+            if isinstance(node, _BackwardCFunction) and i not in graph.leaves:
+                h = request.hint(node)
+                if h is not None:
+                    pins[i] = h
+    for node, value in request.input_pins:
+        j = graph.index.get(node)
+        if j is not None:
+            pins[j] = value
+    enclosed: set[int] = set()
+    if outer_phi is not None:
+        for i, node in enumerate(graph.nodes):
+            if i not in graph.leaves:
+                seen = outer_phi(node)
+                if seen is not None:
+                    pins[i] = seen
+                    enclosed.add(i)
+    return pins, enclosed
+
+
+def build_plan(roots: Sequence[Any], request: PlanRequest) -> Plan:
+    """Walk from ``roots`` and choose potentials (NOTE [ Potentials ] in _plan.py)."""
+    root_nodes = [root_node(t) for t in roots]
+    graph = walk(root_nodes)
+    pins, enclosed = _pins(graph, request)
+    root_idx = [graph.index[n] if n is not None else -1 for n in root_nodes]
+    plan = make_plan(graph, pins, root_idx, base=request.base)
+    if enclosed:  # their hooks are in place already: placing them again would scale twice
+        plan = replace(plan, edge_mults={u: m for u, m in plan.edge_mults.items() if u not in enclosed})
+    return plan
+
+
+class PyPlan:
+    """A Python :class:`Plan` seen through what applying it needs; the native
+    walker's ``NativePlan`` has the same surface (seeds, num_nodes,
+    multiplications, base, hooks(), phi_of(node))."""
+
+    __slots__ = ("plan", "seeds", "num_nodes", "multiplications", "base")
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.seeds = plan.seeds
+        self.num_nodes = len(plan.graph)
+        self.multiplications = plan.multiplications
+        self.base = plan.base
+
+    def hooks(self) -> list[tuple[Any, tuple[tuple[int, float], ...]]]:
+        nodes = self.plan.graph.nodes
+        return [(nodes[i], mults) for i, mults in self.plan.edge_mults.items()]
+
+    def phi_of(self, node: Any) -> float | None:
+        i = self.plan.graph.index.get(node)
+        return None if i is None else self.plan.phi[i]
+
+
+# ---------------------------------------------------------------- native or Python
+def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: Any = None) -> Any:
+    """``request`` planned by the native walker ``native``; ``outer``: the
+    enclosing NativePlans (innermost last), looked up in C++, in place of
+    ``request.outer_phi``.  Raises OverflowError past 64 distinct factors."""
+    return native.plan(
+        [root_node(t) for t in roots],
+        _native.owners_for(request.state, native),
+        request.factor_list,
+        request.base,
+        request.carrier,
+        request.state.raw,
+        torch.nn.Parameter,
+        [node for node, _ in request.input_pins],
+        [value for _, value in request.input_pins],
+        request.outer_phi if outer is None else outer,
+        request.hint,
+    )
+
+
+def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Any:
+    """The plan of :func:`build_plan`, made by the native walker when it is
+    available ($GRAPHSCALE_WALKER, see graphscale/_native), else by Python.
+    Both give the same plan; the native one keeps no Python object per node."""
+    native = _native.load()
+    if native is not None:
+        outer = None
+        if request.carrier is not None:
+            running = [entry.plan for entry in _state.running()]
+            if all(isinstance(p, native.NativePlan) for p in running):
+                outer = running  # looked up in C++, no Python call per node
+        try:
+            return native_plan(native, roots, request, outer)
+        except OverflowError:  # more than 64 distinct factors: the Python planner has no limit
+            pass
+    return PyPlan(build_plan(roots, request))
+
+
+def top_level_request(state: State, factors: Mapping[Group, float], inputs: tuple[Any, ...]) -> PlanRequest:
+    """The request of a top-level governed backward."""
+    return PlanRequest(state, factors, inputs=inputs, hint=checkpoint_hint(state, factors))
+
+
+def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[_state.Running, Any] | None:
+    """Plan a backward called from inside ``current``'s backward (NOTE [
+    Nested backward ] in _backward.py): find the running plan that walked
+    ``current`` and plan ``roots`` from its potential, with its state and
+    factors.  None where no running plan walked ``current`` (inside a
+    fast-path or ungoverned backward: run untouched)."""
+    entries = _state.running()
+    if not entries:
+        return None
+    native = _native.load()
+    if native is not None and not inputs:
+        # One native call finds the running plan and plans (every running
+        # plan native; else the Python route below).
+        found = native.nested_plan(current, entries, tuple(roots), torch.nn.Parameter)
+        if found is None:
+            return None
+        if found is not NotImplemented:
+            k, plan = found
+            return entries[k], plan
+    enclosing = _state.find_enclosing(current)
+    if enclosing is None:
+        return None
+    entry, p = enclosing
+    request = PlanRequest(entry.state, entry.factors, base=p, carrier=p, inputs=inputs,
+                          outer_phi=_state.enclosing_phi, hint=checkpoint_hint(entry.state, entry.factors))
+    return entry, plan_backward(roots, request)
