@@ -1,7 +1,8 @@
 // graphscale native walk + plan.
 //
-// The same computation as graphscale/_walk.py followed by graphscale/_plan.py
-// (see NOTE [ Potentials ] there), done on the C++ autograd Nodes directly:
+// The same computation as graphscale/_planning.py build_plan (the walk of
+// graphscale/_walk.py, the pins) followed by graphscale/_plan.py (see NOTE [
+// Potentials ] there), done on the C++ autograd Nodes directly:
 // breadth-first discovery over next_edges, Kahn's topological order, pins on
 // AccumulateGrad leaves, bottom-up reachable pin values and votes, top-down
 // potentials.  Every order and tie-break mirrors the Python reference, so the
@@ -191,6 +192,46 @@ struct NativePlan {
   }
 };
 
+// What one plan is asked: graphscale/_planning.py PlanRequest, in C++ terms.
+struct Request {
+  py::object owners_obj;                 // the Owners of the installed state
+  const Owners* owners = nullptr;
+  std::vector<double> factors;           // factors[g]: factor of group position g
+  double base = 1.0;                     // potential the seeds already carry
+  bool nested = false;                   // a carrier is given (nested backward)
+  double carrier = 0.0;                  // pin of unseen unowned non-Parameter leaves when nested
+  bool raw = false;                      // unowned leaves pinned to 1
+  py::handle param_type;                 // torch.nn.Parameter
+  std::vector<Node*> extra_nodes;        // more pins (non-leaf inputs=), null where no node
+  std::vector<double> extra_values;
+  // The enclosing plans: native ones (innermost first) looked up by Node*,
+  // else a Python callable (or None) asked per node.
+  const std::vector<const NativePlan*>* outer_plans = nullptr;
+  py::object outer_phi;
+  py::object hint;                       // None, or a callable: custom Function node -> pin or None
+
+  bool has_outer() const { return outer_plans != nullptr || !outer_phi.is_none(); }
+
+  // The potential an enclosing plan gave `node`, if any.
+  bool seen_phi(Node* node, double* out) const {
+    if (outer_plans != nullptr) {
+      for (const NativePlan* op : *outer_plans) {
+        int64_t i = op->index.get(node);
+        if (i >= 0) {
+          *out = op->phi_disc[i];
+          return true;
+        }
+      }
+      return false;
+    }
+    if (outer_phi.is_none()) return false;
+    py::object seen = outer_phi(py_of(node));
+    if (seen.is_none()) return false;
+    *out = seen.cast<double>();
+    return true;
+  }
+};
+
 // Scratch arrays of one plan, kept per thread so that a backward's plans
 // (one per nested backward under reentrant checkpointing) do not allocate
 // and clear them afresh.  A plan that starts while another is running on the
@@ -204,32 +245,343 @@ struct Scratch {
   bool busy = false;
 };
 
-// roots: Python Nodes or None.  factors[g]: factor of group g.  carrier: pin
-// of unseen unowned non-Parameter leaves (nested backward) or None.  raw:
-// unowned leaves pinned to 1.  extra_nodes/extra_values: more pins (non-leaf
-// inputs=).  outer_phi: None, or a callable giving the potential an
-// enclosing plan gave a node (None if unseen), or a list of the enclosing
-// NativePlans, innermost last, asked directly; as in graphscale/_backward.py
-// build_plan (NOTE [ Unowned leaves in nested backward ] and NOTE [ Nested
-// backward through the enclosing graph ]).
-// hint: None, or a callable giving a custom Function node's pin (or None),
-// asked for every custom-Function node (NOTE [ Checkpoint hints ]).
-//
-// Nodes keep their discovery position throughout; the topological order is
-// a permutation (order) walked where the Python planner walks its sorted
-// list, so every order and tie-break is the same without renumbering edges.
-// Where every pin equals base (no pin at all included), every node's
-// potential is base and nothing is multiplied: the plan stops after the pins
-// (the usual nested backward of a checkpointed block, NOTE [ Checkpoint
-// hints ]), with the potentials the full computation would give.
-// outer_plans: the enclosing NativePlans, innermost first, or null (then
-// outer_phi, a callable or None, is asked).
-static NativePlan plan_core(py::object roots, std::vector<Node*> root_nodes, py::object owners_obj, const std::vector<double>& factors,
-                            double base, bool nested, double carrier_v, bool raw, py::handle param_type,
-                            const py::list& extra_nodes, const std::vector<double>& extra_values,
-                            const std::vector<const NativePlan*>* outer_plans, py::object outer_phi,
-                            py::object hint) {
-  const Owners& owners = owners_obj.cast<const Owners&>();
+// One plan, in phases: discover -> pin -> order -> bottom_up -> top_down ->
+// multipliers.  The same computation as graphscale/_planning.py build_plan
+// (walk, pins) then graphscale/_plan.py make_plan, with the same orders and
+// tie-breaks.  Nodes keep their discovery position throughout; the
+// topological order is a permutation (order) walked where the Python planner
+// walks its sorted list, so nothing is renumbered.
+class Planner {
+ public:
+  Planner(const Request& req, Scratch& scratch, NativePlan& plan) : R(req), S(scratch), P(plan) {}
+
+  void run(const std::vector<Node*>& root_nodes, size_t index_guess) {
+    P.owners = R.owners_obj;
+    P.factors = R.factors;
+    P.raw = R.raw;
+    P.hint = R.hint;
+    P.base = R.base;
+    discover(root_nodes, index_guess);
+    P.seeds.assign(root_nodes.size(), 1.0);
+    if (pin()) {  // every pin equals base: every potential is base, nothing multiplied
+      P.phi_disc.assign(n_, R.base);
+      return;
+    }
+    order();
+    bottom_up();
+    top_down();
+    multipliers(root_nodes);
+  }
+
+ private:
+  const Request& R;
+  Scratch& S;
+  NativePlan& P;
+  int32_t n_ = 0;
+  std::vector<int32_t> extra_pos_;
+  std::vector<double> values_;  // distinct pin values, by bit
+
+  int bit_of(double v) const {
+    for (size_t b = 0; b < values_.size(); ++b)
+      if (values_[b] == v) return static_cast<int>(b);
+    return -1;
+  }
+
+  // Breadth-first discovery over next_edges, edges in CSR form by discovery position.
+  void discover(const std::vector<Node*>& root_nodes, size_t index_guess) {
+    std::vector<Node*>& found = P.found;
+    NodeIndex& index = P.index;
+    index.reserve(index_guess);  // grows when the guess is short
+    found.reserve(index_guess + 16);
+    bool ins;
+    for (Node* r : root_nodes) {
+      if (r == nullptr) continue;
+      index.get_or_insert(r, static_cast<int64_t>(found.size()), &ins);
+      if (ins) found.push_back(r);
+    }
+    auto& kid_start = S.kid_start;
+    auto& kids = S.kids;
+    auto& is_leaf = S.is_leaf;
+    kid_start.clear();
+    kids.clear();
+    is_leaf.clear();
+    constexpr size_t kAhead = 8;  // prefetch distance: the walk is bound by memory latency on a fresh graph
+    for (size_t i = 0; i < found.size(); ++i) {
+      if (i + kAhead < found.size()) {
+        const auto& ahead = found[i + kAhead]->next_edges();
+        if (!ahead.empty()) __builtin_prefetch(ahead.data());
+      }
+      Node* node = found[i];
+      kid_start.push_back(static_cast<int32_t>(kids.size()));
+      const auto& next = node->next_edges();
+      // AccumulateGrad has no next edges: test the type only where there are none.
+      if (next.empty() && is_accumulate_grad(node)) {
+        is_leaf.push_back(1);
+        continue;
+      }
+      is_leaf.push_back(0);
+      for (const auto& e : next) {
+        Node* nxt = e.function.get();
+        if (nxt == nullptr) {
+          kids.push_back(-1);
+          continue;
+        }
+        int64_t j = index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
+        if (ins) {
+          found.push_back(nxt);
+          __builtin_prefetch(nxt);
+          __builtin_prefetch(reinterpret_cast<const char*>(nxt) + 64);
+        }
+        kids.push_back(static_cast<int32_t>(j));
+      }
+    }
+    n_ = static_cast<int32_t>(found.size());
+    kid_start.push_back(static_cast<int32_t>(kids.size()));
+    P.num_nodes = n_;
+  }
+
+  // The pin of an unowned leaf (NOTE [ Unowned leaves in nested backward ]), if any.
+  bool unowned_pin(Node* leaf, const at::Tensor& var, double* v) const {
+    if (R.has_outer() && R.seen_phi(leaf, v)) return true;
+    if (R.nested) {
+      PyObject* obj = THPVariable_Wrap(var);
+      if (obj == nullptr) throw py::error_already_set();
+      int isparam = PyObject_IsInstance(obj, R.param_type.ptr());
+      Py_DECREF(obj);
+      if (isparam < 0) throw py::error_already_set();
+      *v = isparam ? 1.0 : R.carrier;
+      return true;
+    }
+    if (R.raw) {
+      *v = 1.0;
+      return true;
+    }
+    return false;
+  }
+
+  // Pins, by discovery position: leaves and hinted custom-Function nodes, then
+  // inputs=, then nodes an enclosing plan governs (later ones overwrite, as
+  // later insertions into the Python planner's pin dict do).  pin_kind: 0
+  // none, 1 leaf, 2 hinted Function node.  True when every pin equals base.
+  bool pin() {
+    const int32_t n = n_;
+    const auto& found = P.found;
+    auto& pin_kind = S.pin_kind;
+    auto& has_pin = S.has_pin;
+    auto& pin_value = S.pin_value;
+    auto& enclosed = S.enclosed;
+    pin_kind.assign(n, 0);
+    has_pin.assign(n, 0);
+    pin_value.assign(n, 0.0);
+    enclosed.assign(n, 0);
+    bool trivial = true;
+    auto put = [&](int32_t o, double v) {
+      has_pin[o] = 1;
+      pin_value[o] = v;
+      if (v != R.base) trivial = false;
+    };
+    const bool want_hint = !R.hint.is_none();
+    for (int32_t o = 0; o < n; ++o) {
+      if (!S.is_leaf[o]) {
+        if (want_hint && is_py_node(found[o])) {
+          py::object v = R.hint(py_of(found[o]));
+          if (!v.is_none()) {
+            pin_kind[o] = 2;
+            put(o, v.cast<double>());
+          }
+        }
+        continue;
+      }
+      const auto& var = static_cast<AccumulateGrad*>(found[o])->variable;
+      auto it = R.owners->group_of.find(var.unsafeGetTensorImpl());
+      double v;
+      if (it != R.owners->group_of.end()) {
+        v = R.factors.at(it->second);
+      } else if (!unowned_pin(found[o], var, &v)) {
+        continue;
+      }
+      pin_kind[o] = 1;
+      put(o, v);
+    }
+    extra_pos_.clear();
+    for (size_t k = 0; k < R.extra_nodes.size(); ++k) {
+      int64_t j = R.extra_nodes[k] ? P.index.get(R.extra_nodes[k]) : -1;
+      extra_pos_.push_back(static_cast<int32_t>(j));
+      if (j >= 0) put(static_cast<int32_t>(j), R.extra_values[k]);
+    }
+    // NOTE [ Nested backward through the enclosing graph ]: nodes an enclosing
+    // plan already hooks keep its potential and get no edge multipliers here.
+    if (R.has_outer()) {
+      for (int32_t o = 0; o < n; ++o) {
+        double seen;
+        if (!S.is_leaf[o] && R.seen_phi(found[o], &seen)) {
+          put(o, seen);
+          enclosed[o] = 1;
+        }
+      }
+    }
+    return trivial;
+  }
+
+  // Kahn's algorithm, same queue discipline as the Python walker; then the
+  // distinct pin values as bits, in the Python planner's pin-dict order
+  // (leaves, hinted Function nodes, inputs=, enclosed; each with its final
+  // value), so tie-breaks by bit match.
+  void order() {
+    const int32_t n = n_;
+    auto& indeg = S.indeg;
+    auto& order = S.order;
+    indeg.assign(n, 0);
+    for (int32_t j : S.kids)
+      if (j >= 0) ++indeg[j];
+    order.clear();
+    order.reserve(n);
+    for (int32_t v = 0; v < n; ++v)
+      if (indeg[v] == 0) order.push_back(v);
+    for (size_t k = 0; k < order.size(); ++k) {
+      int32_t o = order[k];
+      for (int32_t e = S.kid_start[o]; e < S.kid_start[o + 1]; ++e) {
+        int32_t j = S.kids[e];
+        if (j >= 0 && --indeg[j] == 0) order.push_back(j);
+      }
+    }
+    if (static_cast<int32_t>(order.size()) != n)
+      throw std::runtime_error("graphscale: internal invariant broken: the grad_fn graph has a cycle. "
+                               "This is a bug in graphscale.");
+    auto& pinned = S.pinned;
+    auto& mark = S.mark;
+    pinned.clear();
+    mark.assign(n, 0);
+    auto take = [&](int32_t o) {
+      if (!mark[o]) {
+        mark[o] = 1;
+        pinned.push_back(o);
+      }
+    };
+    for (int32_t o : order)
+      if (S.pin_kind[o] == 1) take(o);
+    for (int32_t o : order)
+      if (S.pin_kind[o] == 2) take(o);
+    for (int32_t j : extra_pos_)
+      if (j >= 0) take(j);
+    for (int32_t o : order)
+      if (S.enclosed[o]) take(o);
+    values_.clear();
+    auto& pin_bit = S.pin_bit;
+    pin_bit.assign(n, -1);
+    for (int32_t o : pinned) {
+      int b = bit_of(S.pin_value[o]);
+      if (b < 0) {
+        values_.push_back(S.pin_value[o]);
+        b = static_cast<int>(values_.size() - 1);
+      }
+      pin_bit[o] = b;
+    }
+    if (values_.size() > 64) throw std::overflow_error("graphscale: more than 64 distinct factors; native planner declines");
+  }
+
+  // Bottom-up: the pin values reachable from each node (bitmask), and the
+  // value it would take on its own (votes of its children where mixed).
+  void bottom_up() {
+    const int32_t n = n_;
+    const int nvals = static_cast<int>(values_.size());
+    auto& reach = S.reach;
+    auto& choice = S.choice;
+    auto& vote_at = S.vote_at;  // offset into tallies for mixed nodes
+    auto& tallies = S.tallies;
+    reach.assign(n, 0);
+    choice.assign(n, -1);
+    vote_at.assign(n, -1);
+    tallies.clear();
+    for (int32_t p = n - 1; p >= 0; --p) {
+      const int32_t v = S.order[p];
+      uint64_t m = 0;
+      for (int32_t e = S.kid_start[v]; e < S.kid_start[v + 1]; ++e)
+        if (S.kids[e] >= 0) m |= reach[S.kids[e]];
+      int pb = S.pin_bit[v];
+      if (pb >= 0) {
+        m |= (uint64_t{1} << pb);
+        choice[v] = pb;
+      } else if ((m & (m - 1)) == 0) {
+        choice[v] = m ? 63 - __builtin_clzll(m) : -1;
+      } else {
+        int32_t off = static_cast<int32_t>(tallies.size());
+        tallies.resize(off + nvals, 0);
+        for (int32_t e = S.kid_start[v]; e < S.kid_start[v + 1]; ++e) {
+          int32_t c = S.kids[e];
+          if (c >= 0 && choice[c] >= 0) ++tallies[off + choice[c]];
+        }
+        vote_at[v] = off;
+        int best = 0;
+        for (int b = 1; b < nvals; ++b)
+          if (tallies[off + b] > tallies[off + best]) best = b;
+        choice[v] = best;
+      }
+      reach[v] = m;
+    }
+  }
+
+  double decide(int32_t v, double parent) const {
+    int b = S.choice[v];
+    if (b < 0) return parent;
+    int32_t off = S.vote_at[v];
+    if (off >= 0 && S.pin_bit[v] < 0) {
+      int pb = bit_of(parent);
+      if (pb >= 0 && S.tallies[off + pb] == S.tallies[off + b]) return parent;
+    }
+    return values_[b];
+  }
+
+  // Top-down: the first parent (in topological order) decides.
+  void top_down() {
+    std::vector<double>& phi = P.phi_disc;
+    phi.assign(n_, 0.0);
+    auto& set = S.set;
+    set.assign(n_, 0);
+    for (int32_t u : S.order) {
+      if (!set[u]) {
+        phi[u] = decide(u, R.base);
+        set[u] = 1;
+      }
+      const double pu = phi[u];
+      for (int32_t e = S.kid_start[u]; e < S.kid_start[u + 1]; ++e) {
+        int32_t c = S.kids[e];
+        if (c >= 0 && !set[c]) {
+          phi[c] = decide(c, pu);
+          set[c] = 1;
+        }
+      }
+    }
+  }
+
+  // Edge multipliers, in topological order of their nodes, then the seeds.
+  void multipliers(const std::vector<Node*>& root_nodes) {
+    const std::vector<double>& phi = P.phi_disc;
+    for (int32_t u : S.order) {
+      const double pu = phi[u];
+      const int32_t e0 = S.kid_start[u], e1 = S.kid_start[u + 1];
+      int32_t e = e0;
+      while (e < e1 && (S.kids[e] < 0 || phi[S.kids[e]] == pu)) ++e;
+      if (e == e1 || S.enclosed[u]) continue;
+      std::vector<std::pair<int64_t, double>> row;
+      for (; e < e1; ++e) {
+        int32_t c = S.kids[e];
+        if (c >= 0 && phi[c] != pu) row.emplace_back(e - e0, phi[c] / pu);
+      }
+      P.multiplications += static_cast<int64_t>(row.size());
+      P.hook_nodes.push_back(u);
+      P.hook_mults.push_back(std::move(row));
+    }
+    for (size_t r = 0; r < root_nodes.size(); ++r) {
+      if (root_nodes[r] == nullptr) continue;
+      P.seeds[r] = phi[P.index.get(root_nodes[r])] / R.base;
+      if (P.seeds[r] != 1.0) ++P.multiplications;
+    }
+  }
+};
+
+// Plan `root_nodes` for `req` with this thread's scratch arrays.
+static NativePlan plan_core(py::object roots, const std::vector<Node*>& root_nodes, const Request& req) {
   static thread_local Scratch tls_scratch;
   static thread_local size_t last_top = 0, last_nested = 0;  // node counts: first guess of the index size
   Scratch local;
@@ -239,351 +591,95 @@ static NativePlan plan_core(py::object roots, std::vector<Node*> root_nodes, py:
     explicit Busy(Scratch& s_) : s(s_) { s.busy = true; }
     ~Busy() { s.busy = false; }
   } busy(S);
-
   NativePlan P;
-  P.roots = roots;
-  P.owners = owners_obj;
-  P.factors = factors;
-  P.raw = raw;
-  P.hint = hint;
-  P.base = base;
-  size_t& last = nested ? last_nested : last_top;
-  const size_t nroots = root_nodes.size();
-  std::vector<Node*>& found = P.found;
-  NodeIndex& index = P.index;
-  index.reserve(last);  // grows when the guess is short
-  found.reserve(last + 16);
-  bool ins;
-  for (size_t r = 0; r < nroots; ++r) {
-    Node* n = root_nodes[r];
-    if (n == nullptr) continue;
-    index.get_or_insert(n, static_cast<int64_t>(found.size()), &ins);
-    if (ins) found.push_back(n);
-  }
-  // Breadth-first discovery (edges in CSR form, discovery positions).
-  auto& kid_start = S.kid_start;
-  auto& kids = S.kids;
-  auto& is_leaf = S.is_leaf;
-  kid_start.clear();
-  kids.clear();
-  is_leaf.clear();
-  constexpr size_t kAhead = 8;  // prefetch distance: the walk is bound by memory latency on a fresh graph
-  for (size_t i = 0; i < found.size(); ++i) {
-    if (i + kAhead < found.size()) {
-      const auto& ahead = found[i + kAhead]->next_edges();
-      if (!ahead.empty()) __builtin_prefetch(ahead.data());
-    }
-    Node* node = found[i];
-    kid_start.push_back(static_cast<int32_t>(kids.size()));
-    const auto& next = node->next_edges();
-    // AccumulateGrad has no next edges: test the type only where there are none.
-    if (next.empty() && is_accumulate_grad(node)) {
-      is_leaf.push_back(1);
-      continue;
-    }
-    is_leaf.push_back(0);
-    for (const auto& e : next) {
-      Node* nxt = e.function.get();
-      if (nxt == nullptr) {
-        kids.push_back(-1);
-        continue;
-      }
-      int64_t j = index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
-      if (ins) {
-        found.push_back(nxt);
-        __builtin_prefetch(nxt);
-        __builtin_prefetch(reinterpret_cast<const char*>(nxt) + 64);
-      }
-      kids.push_back(static_cast<int32_t>(j));
-    }
-  }
-  const int32_t n = static_cast<int32_t>(found.size());
-  kid_start.push_back(static_cast<int32_t>(kids.size()));
-  P.num_nodes = n;
-  last = static_cast<size_t>(n);
-
-  // Enclosing plans: native ones are looked up by Node*, others through Python.
-  const bool outer_native = outer_plans != nullptr;
-  const bool has_outer = outer_native || !outer_phi.is_none();
-  auto seen_phi = [&](Node* node, double* out) -> bool {
-    if (outer_native) {
-      for (const NativePlan* op : *outer_plans) {
-        int64_t i = op->index.get(node);
-        if (i >= 0) {
-          *out = op->phi_disc[i];
-          return true;
-        }
-      }
-      return false;
-    }
-    py::object seen = outer_phi(py_of(node));
-    if (seen.is_none()) return false;
-    *out = seen.cast<double>();
-    return true;
-  };
-
-  // Pins, by discovery position.  pin_kind: 0 none, 1 leaf, 2 hinted Function
-  // node; has_pin/pin_value: the final value (inputs= and enclosing plans
-  // overwrite, as later insertions into the Python planner's pin dict do).
-  auto& pin_kind = S.pin_kind;
-  auto& has_pin = S.has_pin;
-  auto& pin_value = S.pin_value;
-  auto& enclosed = S.enclosed;
-  pin_kind.assign(n, 0);
-  has_pin.assign(n, 0);
-  pin_value.assign(n, 0.0);
-  enclosed.assign(n, 0);
-  const bool want_hint = !hint.is_none();
-  bool trivial = true;  // every pin so far equals base
-  auto put = [&](int32_t o, double v) {
-    has_pin[o] = 1;
-    pin_value[o] = v;
-    if (v != base) trivial = false;
-  };
-  for (int32_t o = 0; o < n; ++o) {
-    if (!is_leaf[o]) {
-      if (want_hint && is_py_node(found[o])) {
-        py::object v = hint(py_of(found[o]));
-        if (!v.is_none()) {
-          pin_kind[o] = 2;
-          put(o, v.cast<double>());
-        }
-      }
-      continue;
-    }
-    const auto& var = static_cast<AccumulateGrad*>(found[o])->variable;
-    auto it = owners.group_of.find(var.unsafeGetTensorImpl());
-    double v;
-    if (it != owners.group_of.end()) {
-      v = factors.at(it->second);
-    } else if (has_outer && seen_phi(found[o], &v)) {
-    } else if (nested) {
-      PyObject* obj = THPVariable_Wrap(var);
-      if (obj == nullptr) throw py::error_already_set();
-      int isparam = PyObject_IsInstance(obj, param_type.ptr());
-      Py_DECREF(obj);
-      if (isparam < 0) throw py::error_already_set();
-      v = isparam ? 1.0 : carrier_v;
-    } else if (raw) {
-      v = 1.0;
-    } else {
-      continue;
-    }
-    pin_kind[o] = 1;
-    put(o, v);
-  }
-  if (extra_nodes.size() != extra_values.size()) throw std::invalid_argument("graphscale: extra pins sizes differ");
-  std::vector<int32_t> extra_pos;
-  for (size_t k = 0; k < extra_nodes.size(); ++k) {
-    Node* en = node_of(extra_nodes[k].ptr());
-    int64_t j = en ? index.get(en) : -1;
-    extra_pos.push_back(static_cast<int32_t>(j));
-    if (j >= 0) put(static_cast<int32_t>(j), extra_values[k]);
-  }
-  // NOTE [ Nested backward through the enclosing graph ]: nodes an enclosing
-  // plan already hooks keep its potential and get no edge multipliers here.
-  if (has_outer) {
-    for (int32_t o = 0; o < n; ++o) {
-      if (is_leaf[o]) continue;
-      double seen;
-      if (seen_phi(found[o], &seen)) {
-        put(o, seen);
-        enclosed[o] = 1;
-      }
-    }
-  }
-  P.seeds.assign(nroots, 1.0);
-  if (trivial) {  // every potential is base: no multiplication anywhere
-    P.phi_disc.assign(n, base);
-    return P;
-  }
-
-  // Kahn's algorithm, same queue discipline as the Python walker.
-  auto& indeg = S.indeg;
-  auto& order = S.order;
-  indeg.assign(n, 0);
-  for (int32_t j : kids)
-    if (j >= 0) ++indeg[j];
-  order.clear();
-  order.reserve(n);
-  for (int32_t v = 0; v < n; ++v)
-    if (indeg[v] == 0) order.push_back(v);
-  for (size_t k = 0; k < order.size(); ++k) {
-    int32_t o = order[k];
-    for (int32_t e = kid_start[o]; e < kid_start[o + 1]; ++e) {
-      int32_t j = kids[e];
-      if (j >= 0 && --indeg[j] == 0) order.push_back(j);
-    }
-  }
-  if (static_cast<int32_t>(order.size()) != n)
-    throw std::runtime_error("graphscale: the grad_fn graph has a cycle; please report this.");
-
-  // Bits in the Python planner's pin-dict order: leaves, then hinted Function
-  // nodes (both in topological order), then inputs=, then enclosed nodes;
-  // each with its final value.  Tie-breaks by bit then match.
-  auto& pinned = S.pinned;
-  auto& mark = S.mark;
-  pinned.clear();
-  mark.assign(n, 0);
-  auto take = [&](int32_t o) {
-    if (!mark[o]) {
-      mark[o] = 1;
-      pinned.push_back(o);
-    }
-  };
-  for (int32_t o : order)
-    if (pin_kind[o] == 1) take(o);
-  for (int32_t o : order)
-    if (pin_kind[o] == 2) take(o);
-  for (int32_t j : extra_pos)
-    if (j >= 0) take(j);
-  for (int32_t o : order)
-    if (enclosed[o]) take(o);
-  std::vector<double> values;
-  auto bit_get = [&values](double v) -> int {
-    for (size_t b = 0; b < values.size(); ++b)
-      if (values[b] == v) return static_cast<int>(b);
-    return -1;
-  };
-  auto& pin_bit = S.pin_bit;
-  pin_bit.assign(n, -1);
-  for (int32_t o : pinned) {
-    int b = bit_get(pin_value[o]);
-    if (b < 0) {
-      values.push_back(pin_value[o]);
-      b = static_cast<int>(values.size() - 1);
-    }
-    pin_bit[o] = b;
-  }
-  const int nvals = static_cast<int>(values.size());
-  if (nvals > 64) throw std::overflow_error("graphscale: more than 64 distinct factors; native planner declines");
-
-  // Bottom-up: reachable pin values and each node's preferred value.
-  auto& reach = S.reach;
-  auto& choice = S.choice;
-  auto& vote_at = S.vote_at;  // offset into tallies for mixed nodes
-  auto& tallies = S.tallies;
-  reach.assign(n, 0);
-  choice.assign(n, -1);
-  vote_at.assign(n, -1);
-  tallies.clear();
-  for (int32_t p = n - 1; p >= 0; --p) {
-    const int32_t v = order[p];
-    uint64_t m = 0;
-    for (int32_t e = kid_start[v]; e < kid_start[v + 1]; ++e)
-      if (kids[e] >= 0) m |= reach[kids[e]];
-    int pb = pin_bit[v];
-    if (pb >= 0) {
-      m |= (uint64_t{1} << pb);
-      choice[v] = pb;
-    } else if ((m & (m - 1)) == 0) {
-      choice[v] = m ? 63 - __builtin_clzll(m) : -1;
-    } else {
-      int32_t off = static_cast<int32_t>(tallies.size());
-      tallies.resize(off + nvals, 0);
-      for (int32_t e = kid_start[v]; e < kid_start[v + 1]; ++e) {
-        int32_t c = kids[e];
-        if (c >= 0 && choice[c] >= 0) ++tallies[off + choice[c]];
-      }
-      vote_at[v] = off;
-      int best = 0;
-      for (int b = 1; b < nvals; ++b)
-        if (tallies[off + b] > tallies[off + best]) best = b;
-      choice[v] = best;
-    }
-    reach[v] = m;
-  }
-  auto decide = [&](int32_t v, double parent) -> double {
-    int b = choice[v];
-    if (b < 0) return parent;
-    int32_t off = vote_at[v];
-    if (off >= 0 && pin_bit[v] < 0) {
-      int pb = bit_get(parent);
-      if (pb >= 0 && tallies[off + pb] == tallies[off + b]) return parent;
-    }
-    return values[b];
-  };
-  // Top-down: the first parent (in topological order) decides.
-  std::vector<double>& phi = P.phi_disc;
-  phi.assign(n, 0.0);
-  auto& set = S.set;
-  set.assign(n, 0);
-  for (int32_t u : order) {
-    if (!set[u]) {
-      phi[u] = decide(u, base);
-      set[u] = 1;
-    }
-    const double pu = phi[u];
-    for (int32_t e = kid_start[u]; e < kid_start[u + 1]; ++e) {
-      int32_t c = kids[e];
-      if (c >= 0 && !set[c]) {
-        phi[c] = decide(c, pu);
-        set[c] = 1;
-      }
-    }
-  }
-  // Edge multipliers, in topological order of their nodes.
-  for (int32_t u : order) {
-    const double pu = phi[u];
-    const int32_t e0 = kid_start[u], e1 = kid_start[u + 1];
-    int32_t e = e0;
-    while (e < e1 && (kids[e] < 0 || phi[kids[e]] == pu)) ++e;
-    if (e == e1 || enclosed[u]) continue;
-    std::vector<std::pair<int64_t, double>> row;
-    for (; e < e1; ++e) {
-      int32_t c = kids[e];
-      if (c >= 0 && phi[c] != pu) row.emplace_back(e - e0, phi[c] / pu);
-    }
-    P.multiplications += static_cast<int64_t>(row.size());
-    P.hook_nodes.push_back(u);
-    P.hook_mults.push_back(std::move(row));
-  }
-  for (size_t r = 0; r < nroots; ++r) {
-    if (root_nodes[r] == nullptr) continue;
-    P.seeds[r] = phi[index.get(root_nodes[r])] / base;
-    if (P.seeds[r] != 1.0) ++P.multiplications;
-  }
+  P.roots = std::move(roots);
+  size_t& last = req.nested ? last_nested : last_top;
+  Planner(req, S, P).run(root_nodes, last);
+  last = static_cast<size_t>(P.num_nodes);
   return P;
 }
 
+// The plan of graphscale/_planning.py build_plan (native_plan there builds
+// this call).  roots: Python Nodes or None.  outer_phi: None, a callable
+// (node -> potential or None), or a list of the enclosing NativePlans,
+// innermost last.
 static NativePlan plan(const py::list& roots, py::object owners, const std::vector<double>& factors,
                        double base, py::object carrier, bool raw, py::object param_type,
                        const py::list& extra_nodes, const std::vector<double>& extra_values,
                        py::object outer_phi, py::object hint) {
-  const bool nested = !carrier.is_none();
-  const double carrier_v = nested ? carrier.cast<double>() : 0.0;
-  std::vector<Node*> root_nodes(roots.size(), nullptr);
-  for (size_t r = 0; r < roots.size(); ++r) root_nodes[r] = node_of(roots[r].ptr());
+  if (extra_nodes.size() != extra_values.size()) throw std::invalid_argument("graphscale: extra pins sizes differ");
+  Request req;
+  req.owners_obj = owners;
+  req.owners = &owners.cast<const Owners&>();
+  req.factors = factors;
+  req.base = base;
+  req.nested = !carrier.is_none();
+  req.carrier = req.nested ? carrier.cast<double>() : 0.0;
+  req.raw = raw;
+  req.param_type = param_type;
+  for (size_t k = 0; k < extra_nodes.size(); ++k) req.extra_nodes.push_back(node_of(extra_nodes[k].ptr()));
+  req.extra_values = extra_values;
+  req.hint = hint;
+  std::vector<const NativePlan*> outer_plans;
   if (py::isinstance<py::list>(outer_phi)) {
     py::list lst = outer_phi.cast<py::list>();
-    std::vector<const NativePlan*> outer_plans;
     for (size_t k = lst.size(); k-- > 0;) outer_plans.push_back(lst[k].cast<const NativePlan*>());
-    return plan_core(roots, std::move(root_nodes), owners, factors, base, nested, carrier_v, raw, param_type,
-                     extra_nodes, extra_values, &outer_plans, py::none(), hint);
+    req.outer_plans = &outer_plans;
+    req.outer_phi = py::none();
+  } else {
+    req.outer_phi = outer_phi;
   }
-  return plan_core(roots, std::move(root_nodes), owners, factors, base, nested, carrier_v, raw, param_type,
-                   extra_nodes, extra_values, nullptr, outer_phi, hint);
+  std::vector<Node*> root_nodes(roots.size(), nullptr);
+  for (size_t r = 0; r < roots.size(); ++r) root_nodes[r] = node_of(roots[r].ptr());
+  return plan_core(roots, root_nodes, req);
+}
+
+// Root nodes as graphscale/_planning.py root_node reads them: an edge's node,
+// a tensor's grad_fn, a leaf's AccumulateGrad (kept alive in `leaf_roots`:
+// the tensor holds it only weakly), or none.  False when a root is neither a
+// tensor nor an edge.
+static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
+                          std::vector<c10::intrusive_ptr<Node>>* leaf_roots) {
+  nodes->assign(roots.size(), nullptr);
+  for (size_t r = 0; r < roots.size(); ++r) {
+    PyObject* obj = roots[r].ptr();
+    if (THPVariable_Check(obj)) {
+      const auto& var = THPVariable_Unpack(obj);
+      if (auto fn = var.grad_fn()) {
+        (*nodes)[r] = fn.get();
+      } else if (var.requires_grad()) {
+        auto acc = torch::autograd::impl::grad_accumulator(var);
+        (*nodes)[r] = acc.get();
+        leaf_roots->push_back(std::move(acc));
+      }
+    } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 1) {  // GradientEdge(node, output_nr)
+      (*nodes)[r] = node_of(PyTuple_GET_ITEM(obj, 0));
+    } else {
+      return false;
+    }
+  }
+  return true;
 }
 
 // The plan of a backward nested in a node's backward (NOTE [ Nested
 // backward ] in graphscale/_backward.py), in one call: finds `current` in the
-// running plans (`acts`: graphscale's _Active entries, their .plan, innermost
-// last, searched innermost first), and plans `roots` (tensors or
-// GradientEdges, as graphscale/_backward.py _root_node reads them) with that
-// plan's owners, factors, policy and hint, base and carrier its potential,
-// every running plan as outer_phi, no inputs=.  Returns (position of that
-// entry in `acts`, NativePlan); None when no running plan has `current`
-// (pass through); NotImplemented when a running plan is not a NativePlan or a
-// root is neither (the caller plans through Python).
-static py::object nested_plan(py::handle current, const py::tuple& acts, const py::tuple& roots,
+// running plans (`entries`: graphscale._state.Running entries, their .plan,
+// innermost last, searched innermost first), and plans `roots` (tensors or
+// GradientEdges) with that plan's owners, factors, policy and hint, base and
+// carrier its potential, every running plan as outer_phi, no inputs=.
+// Returns (position of that entry in `entries`, NativePlan); None when no
+// running plan has `current` (pass through); NotImplemented when a running
+// plan is not a NativePlan or a root is neither (the caller plans through
+// Python).
+static py::object nested_plan(py::handle current, const py::tuple& entries, const py::tuple& roots,
                               py::object param_type) {
-  const size_t m = acts.size();
+  const size_t m = entries.size();
   std::vector<py::object> keep;  // the plans stay alive while a hint may release the GIL
   std::vector<const NativePlan*> outer_plans;  // innermost first
   keep.reserve(m);
   outer_plans.reserve(m);
   for (size_t k = m; k-- > 0;) {
-    py::object obj = acts[k].attr("plan");
+    py::object obj = entries[k].attr("plan");
     if (!py::isinstance<NativePlan>(obj)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     outer_plans.push_back(obj.cast<const NativePlan*>());
     keep.push_back(std::move(obj));
@@ -594,31 +690,21 @@ static py::object nested_plan(py::handle current, const py::tuple& acts, const p
     const NativePlan* op = outer_plans[q];
     int64_t i = op->index.get(node);
     if (i < 0) continue;
-    const double p = op->phi_disc[i];
-    // Root nodes, as _root_node: an edge's node, a tensor's grad_fn, a leaf's
-    // AccumulateGrad, or none.
-    std::vector<Node*> root_nodes(roots.size(), nullptr);
+    std::vector<Node*> root_nodes;
     std::vector<c10::intrusive_ptr<Node>> leaf_roots;
-    for (size_t r = 0; r < roots.size(); ++r) {
-      PyObject* obj = roots[r].ptr();
-      if (THPVariable_Check(obj)) {
-        const auto& var = THPVariable_Unpack(obj);
-        if (auto fn = var.grad_fn()) {
-          root_nodes[r] = fn.get();
-        } else if (var.requires_grad()) {
-          auto acc = torch::autograd::impl::grad_accumulator(var);
-          root_nodes[r] = acc.get();
-          leaf_roots.push_back(std::move(acc));
-        }
-      } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 1) {  // GradientEdge(node, output_nr)
-        root_nodes[r] = node_of(PyTuple_GET_ITEM(obj, 0));
-      } else {
-        return py::reinterpret_borrow<py::object>(Py_NotImplemented);
-      }
-    }
-    static const std::vector<double> no_values;
-    NativePlan P = plan_core(roots, std::move(root_nodes), op->owners, op->factors, p, true, p, op->raw, param_type,
-                             py::list(), no_values, &outer_plans, py::none(), op->hint);
+    if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+    Request req;
+    req.owners_obj = op->owners;
+    req.owners = &op->owners.cast<const Owners&>();
+    req.factors = op->factors;
+    req.base = req.carrier = op->phi_disc[i];
+    req.nested = true;
+    req.raw = op->raw;
+    req.param_type = param_type;
+    req.outer_plans = &outer_plans;
+    req.outer_phi = py::none();
+    req.hint = op->hint;
+    NativePlan P = plan_core(roots, root_nodes, req);
     P.leaf_roots = std::move(leaf_roots);
     return py::make_tuple(static_cast<int64_t>(m - 1 - q), py::cast(std::move(P)));
   }
