@@ -145,13 +145,14 @@ class Audit:
             return run(*args)  # no seed for a non-scalar root: torch raises its own error
         _check_supported(state.groups)
         scaling = _state.gas_scaling_enabled()
-        factors = {g: (1.0 / g.gas() if scaling else 1.0) for g in state.groups}
+        factors = {g: _expected_factor(g, scaling) for g in state.groups}
         leaves = _leaves(roots, inputs)
         if not leaves:
             return run(*args)
-        try:
-            with _prologues_held():
-                ref = torch.autograd.grad(roots, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
+        try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot ... ])
+            with _prologues_held(), _state.bound(roots, state) as bound_roots:
+                ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=grads, retain_graph=True,
+                                          allow_unused=True)
         except RuntimeError as exc:
             raise GraphscaleError(
                 "graphscale.audit: could not compute the plain reference gradient with torch.autograd.grad "
@@ -189,13 +190,20 @@ class Audit:
                 slack = 4 * torch.finfo(b.dtype).eps * float(b.abs().max())
             rows.append((owner.name if owner else UNOWNED, name, delta, gg, slack,
                          factors[owner] if owner else None))
-        # Unowned leaves: exactly g under unowned="raw"; otherwise one factor for all of them.
-        unowned = [r for r in rows if r[5] is None]
+        # NOTE [ Unowned leaves ]: a backward that reaches no owned leaf is plain PyTorch; otherwise the
+        # policy's protected unowned leaves get exactly g, the others all one factor in play.
+        if all(f is None for *_, f in rows):
+            rows = [(grp, name, d, g, s, 1.0) for grp, name, d, g, s, _ in rows]
+        protected = {i for i, p in enumerate(leaves) if rows[i][5] is None
+                     and (state.policy == "plain" or (state.policy == "plain_params"
+                                                     and isinstance(p, torch.nn.Parameter)))}
+        free = [r for i, r in enumerate(rows) if r[5] is None and i not in protected]
         best = 1.0
-        if unowned and not state.raw:
+        if free:
             cands = sorted({1.0, *factors.values()}, reverse=True)
-            best = min(cands, key=lambda c: max(self._err(d, c * g, s) for _, _, d, g, s, _ in unowned))
-        checked = [(grp, name, d, g, s, best if f is None else f) for grp, name, d, g, s, f in rows]
+            best = min(cands, key=lambda c: max(self._err(d, c * g, s) for _, _, d, g, s, _ in free))
+        checked = [(grp, name, d, g, s, f if f is not None else (1.0 if i in protected else best))
+                   for i, (grp, name, d, g, s, f) in enumerate(rows)]
         found: list[Mismatch] = []
         seen_groups: dict[str, tuple[float, float, float, int]] = {}
         for group, name, delta, g, slack, f in checked:
@@ -242,9 +250,11 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
     first computes every reached leaf's plain gradient g (see
     NOTE [ Audit reference ]), then runs as usual, then checks that each
     leaf's ``.grad`` grew by exactly ``factor(G) x g`` for its group G
-    (``factor = 1 / gas``, or 1 under ``scale_wrt_gas=False``); leaves no
-    group owns must have grown by ``g`` (``unowned="raw"``) or all by one
-    factor in play (``"any"``).  A leaf fails when
+    (the group's factor, 1 under ``scale_wrt_gas=False``, times an fp16
+    engine's loss scale); leaves no group owns must have grown by ``g`` where
+    the policy protects them (NOTE [ Unowned leaves ]), the others all by one
+    factor in play; in a backward that reaches no owned leaf every leaf by
+    ``g``.  A leaf fails when
     ``max|delta - factor*g| > atol + rtol * max|factor*g|`` (plus rounding
     slack for the ``.grad`` it accumulated into).
 
@@ -316,6 +326,20 @@ def _leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
             continue
         stack.extend(nxt for nxt, _ in node.next_functions)
     return out
+
+
+def _expected_factor(group: Group, scaling: bool) -> float:
+    """The factor the contract promises ``group``, read from its configuration
+    on a path of its own (1 / gas, not the planner's ``factor()``), so that a
+    wrong factor shows; times an fp16 engine's loss scale."""
+    gas = group.gas()
+    factor = (1.0 / gas if gas is not None else group.factor()) if scaling else 1.0
+    engine = getattr(group, "engine", None)
+    if engine is None:
+        return factor
+    from ._deepspeed import loss_scale
+
+    return factor * loss_scale(engine)
 
 
 def _check_supported(groups: Sequence[Group]) -> None:

@@ -7,10 +7,16 @@ replaced by :func:`governed_backward`, which reads the factors, makes a plan
 the original, and removes every hook in a ``finally``.
 
 # NOTE [ Fast path ]
-# When every installed group has the same factor f and unowned leaves may take
-# any single factor (unowned="any"), every leaf is right with potential f
-# everywhere: multiply the seeds by f and walk nothing.  f == 1 touches nothing
-# at all.
+# When every installed group has the same factor f, every owned leaf is right
+# with potential f everywhere: multiply the seeds by f, and plan nothing.
+# That is exact when the leaves the policy protects (NOTE [ Unowned leaves ]
+# in _state.py) are not reached, and it must not happen at all when no owned
+# leaf is reached (that backward is left alone).  So a probe walks first,
+# only until it knows (_planning.probe): under "any" to the first owned leaf,
+# a few nodes away in a real model; under "plain_params" the whole graph
+# unless an owned leaf and an unowned Parameter turn up (then it plans);
+# under "plain" until an owned and an unowned leaf are both seen.  f == 1
+# touches nothing at all, without a probe.
 #
 # NOTE [ Nested backward ]
 # Reentrant activation checkpointing (torch's and DeepSpeed's) calls
@@ -54,8 +60,9 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
+import weakref
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,7 +73,8 @@ from . import _planning, _state
 from ._group import Group
 from ._state import State
 
-__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "BackwardCall", "fast_path_factor"]
+__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "BackwardCall", "fast_path_factor", "decide", "normalize",
+           "UNTOUCHED", "FAST_PATH", "PLANNED"]
 
 _log = logging.getLogger("graphscale")
 
@@ -114,12 +122,19 @@ class BackwardCall:
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
 
-    def run(self, seeds: Any = None) -> None:
-        """The original backward, with ``seeds`` in place of the given seeds if not None."""
-        ORIGINAL_BACKWARD(
-            self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
-            grad_variables=self.grad_variables, inputs=self.inputs_arg,
-        )
+    def run(self, state: State | None, seeds: Any = None) -> None:
+        """The original backward, with ``seeds`` in place of the given seeds if
+        not None, its graph task bound to ``state`` when that governs engines
+        (NOTE [ Which snapshot an output hook obeys ] in _state.py)."""
+        if state is None or not state.engines or self.roots is None:
+            return ORIGINAL_BACKWARD(
+                self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
+                grad_variables=self.grad_variables, inputs=self.inputs_arg,
+            )
+        grads = self.grads if seeds is None else seeds
+        assert grads is not None  # normalized with the roots
+        with _state.bound(self.roots, state) as roots:
+            ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
 
 
 def normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
@@ -179,16 +194,43 @@ def _post_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
     return hook
 
 
-def fast_path_factor(state: State, factors: Mapping[Group, float]) -> float | None:
-    """The one factor a top-level backward multiplies every root seed by without
-    walking (1.0: it touches nothing), or None when it must walk and plan.
-    See NOTE [ Fast path ]; :func:`graphscale.explain` asks the same question."""
+def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
+    """The one factor in play (1.0 when none), or None when several are and
+    the backward must plan.  See NOTE [ Fast path ]; :func:`graphscale.explain`
+    asks the same question."""
     distinct = set(factors.values())
-    if state.raw:
-        return 1.0 if distinct <= {1.0} else None
-    if len(distinct) <= 1:
-        return distinct.pop() if distinct else 1.0
-    return None
+    if len(distinct) > 1:
+        return None
+    return distinct.pop() if distinct else 1.0
+
+
+UNTOUCHED, FAST_PATH, PLANNED = "untouched", "fast path", "planned"
+
+
+def decide(roots: Sequence[Any], state: State, factors: Mapping[Group, float], inputs: tuple[Any, ...],
+           seeds_carry_nothing: bool = True) -> tuple[str, float, Any]:
+    """What a top-level backward of ``roots`` does: (UNTOUCHED, 1, None),
+    (FAST_PATH, f, None) or (PLANNED, 1, plan).  :func:`graphscale.explain`
+    asks the same question."""
+    f = fast_path_factor(factors)
+    if f is not None:
+        if f == 1.0 and seeds_carry_nothing:
+            return UNTOUCHED, 1.0, None  # every factor 1: nothing to do
+        verdict = _planning.probe(roots, state)
+        if verdict == _planning.NO_OWNED:
+            return UNTOUCHED, 1.0, None  # NOTE [ Unowned leaves ]: not graphscale's backward
+        if verdict == _planning.FAST:
+            return FAST_PATH, f, None
+    plan = _planning.plan_backward(roots, _planning.top_level_request(state, factors, inputs))
+    if not plan.owned_leaves and not plan.custom_nodes:
+        return UNTOUCHED, 1.0, None
+    return PLANNED, 1.0, plan
+
+
+def _carries(roots: Sequence[Any], default: float) -> list[float]:
+    """What each root's seed carries already: ``default`` (an fp16
+    ``engine.backward``'s loss scale), or a tag left by ``engine.scale``."""
+    return [getattr(t, _state.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
 
 
 # ---------------------------------------------------------------- the backward
@@ -210,83 +252,118 @@ def governed_backward(
 def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
                        grad_variables: Any, inputs: Any) -> None:
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-    state = _state.current()
     current = torch._C._current_autograd_node()
     if current is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
         return _run_nested(call, current)
+    state = _state.current()
     if state is None:
-        return call.run()
+        return call.run(None)
     # NOTE [ Which snapshot an output hook obeys ]
     with _state.governing(state):
-        if call.roots is None or not _state.gas_scaling_enabled():
-            return call.run()
-        factors = state.read_factors()  # may raise: nothing touched yet
-        f = fast_path_factor(state, factors)
-        if f is None:
-            t0 = time.perf_counter()
-            plan = _planning.plan_backward(call.roots, _planning.top_level_request(state, factors, call.inputs))
-            return _run_plan(call, plan, _state.Running(plan, factors, state), t0)
-        if f == 1.0:
-            return call.run()
-        return _run_fast_path(call, f, factors)
+        if call.roots is None:
+            return call.run(state)
+        scaling, default_carries = _state.engine_backward_frame()
+        factors = state.read_factors(scaling)  # may raise: nothing touched yet
+        carries = _carries(call.roots, default_carries)
+        t0 = time.perf_counter()
+        kind, f, plan = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
+        if kind == UNTOUCHED:
+            return call.run(state)
+        if kind == FAST_PATH:
+            return _run_fast_path(call, state, f, carries, factors, t0)
+        if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
+            _warn_unreached_groups(state, plan)
+        return _run_plan(call, plan, _state.Running(plan, factors, state), t0, carries)
 
 
-def _run_fast_path(call: BackwardCall, f: float, factors: Mapping[Group, float]) -> None:
-    """NOTE [ Fast path ]: every seed times ``f``, nothing walked."""
+def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence[float],
+                   factors: Mapping[Group, float], t0: float) -> None:
+    """NOTE [ Fast path ]: every seed times ``f``, nothing planned."""
     assert call.roots is not None and call.grads is not None
-    seeds = _scaled_seeds(call.roots, call.grads, [f] * len(call.roots))
+    mults = [f / c for c in carries]
+    seeds = _scaled_seeds(call.roots, call.grads, mults)
     if seeds is None:
-        return call.run()
+        return call.run(state)
     recorder = _state.walk_recorder
-    if recorder is not None:
-        recorder(0, 0.0, len(call.roots))
+    if recorder is not None:  # no plan: the probe's time
+        recorder(0, time.perf_counter() - t0, sum(1 for m in mults if m != 1.0))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: fast path, walked 0 nodes in 0 us, %d multiplication(s) (root seeds x %g), factors %s",
             len(call.roots), f, sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
         )
-    return call.run(seeds)
+    return call.run(state, seeds)
 
 
 def _run_nested(call: BackwardCall, current: Any) -> None:
     """A backward called from inside ``current``'s backward: NOTE [ Nested backward ]."""
     if call.roots is None:
-        return call.run()
+        return call.run(_state.task_state())
     t0 = time.perf_counter()
     found = _planning.plan_nested(current, call.roots, call.inputs)
-    if found is None:
-        return call.run()
+    if found is None:  # inside a fast-path or ungoverned backward: untouched, bound as it is
+        return call.run(_state.task_state())
     enclosing, plan = found
-    return _run_plan(call, plan, _state.Running(plan, enclosing.factors, enclosing.state), t0)
+    entry = _state.Running(plan, enclosing.factors, enclosing.state)
+    return _run_plan(call, plan, entry, t0, [plan.base] * len(call.roots))
 
 
-def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, t0: float) -> None:
+def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, t0: float, carries: Sequence[float]) -> None:
     """Scale the seeds, hook the nodes, run the backward with ``entry``
-    registered for nested backwards, unhook in ``finally``."""
+    registered for nested backwards, unhook in ``finally``.  ``carries``:
+    what each seed carries already (the plan's seeds assume ``plan.base``)."""
     assert call.roots is not None and call.grads is not None
     recorder = _state.walk_recorder
+    mults = [s * plan.base / c for s, c in zip(plan.seeds, carries)]
+    edge_mults = plan.multiplications - sum(1 for s in plan.seeds if s != 1.0)
+    multiplications = edge_mults + sum(1 for m in mults if m != 1.0)
     if recorder is not None:
-        recorder(plan.num_nodes, time.perf_counter() - t0, plan.multiplications)
+        recorder(plan.num_nodes, time.perf_counter() - t0, multiplications)
     seeds: Any = None
-    if plan.multiplications:
-        seeds = _scaled_seeds(call.roots, call.grads, plan.seeds)
+    if multiplications:
+        seeds = _scaled_seeds(call.roots, call.grads, mults)
         if seeds is None:
-            return call.run()
+            return call.run(entry.state)
     # else nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ])
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s",
-            plan.num_nodes, (time.perf_counter() - t0) * 1e6, plan.multiplications,
+            plan.num_nodes, (time.perf_counter() - t0) * 1e6, multiplications,
             sorted({f"{g.name}={f:g}" for g, f in entry.factors.items()}),
             f", nested at base {plan.base:g}" if plan.base != 1.0 else "",
         )
     handles = []
     try:
-        if plan.multiplications:
-            for node, mults in plan.hooks():
-                handles.append(node.register_hook(_post_hook(mults)))
+        if edge_mults:
+            for node, mults_ in plan.hooks():
+                handles.append(node.register_hook(_post_hook(mults_)))
         with _state.running_plan(entry):
-            call.run(seeds)
+            call.run(entry.state, seeds)
     finally:
         for h in handles:
             h.remove()
+
+
+_warned: weakref.WeakSet[Group] = weakref.WeakSet()
+
+
+def _warn_unreached_groups(state: State, plan: Any) -> None:
+    """Issue 10: a governed backward that reaches unowned nn.Parameters but
+    none of some group's is almost always a wrapper (FSDP, a PEFT or
+    compile wrapper) that swapped the group's parameters; say so, once per group."""
+    reached = set(plan.groups_reached())
+    missing = [g for k, g in enumerate(state.groups) if k not in reached and g not in _warned and g.parameters]
+    if not missing:
+        return
+    _warned.update(missing)
+    params = plan.unowned_parameters()
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:6]) + (", ..." if len(params) > 6 else "")
+    names = ", ".join(repr(g.name) for g in missing)
+    warnings.warn(
+        f"graphscale: this backward reached none of the parameters of group(s) {names} but reached "
+        f"{len(params)} nn.Parameter(s) that no group owns (shapes {shapes}). A wrapper (FSDP, a PEFT or "
+        "compile wrapper) may have replaced the group's parameters after the Group was made: make the "
+        "Group from the wrapped model, after wrapping. Those parameters got their plain gradient "
+        f"(unowned={state.policy!r}).",
+        stacklevel=4,
+    )

@@ -10,22 +10,45 @@
 #     registers the running graph task, so that every engine's output hook
 #     skips its division; a direct loss.backward() keeps the hook division.
 # For each installed engine graphscale switches off both:
-#   * the output hooks: the engine's _backward_prologue_per_tensor is shadowed
-#     by an instance attribute that passes the gradient through while the
-#     engine is installed (forwards after install bind it); hook managers made
-#     by forwards *before* install are found once, at install (the collector's
-#     referrers of DeepSpeed's OutputBackwardHookManager class: its instances),
-#     and pointed at the same function, so outputs made before install are
-#     exact too.  That function asks the running governed backward's snapshot
-#     (else the registry of installed engines, never the adapter that made
-#     it), so outputs made while installed and backpropagated after remove()
-#     get DeepSpeed's native behaviour, and outputs made under an earlier
-#     installation pass through under a later one;
+#   * the output hooks: every hook manager reads its per-tensor function
+#     (the engine's bound _backward_prologue_per_tensor, taken at forward) at
+#     hook time from its instance attribute preprocess_per_tensor_fn.  Once an
+#     engine is installed, a data descriptor of that name sits on DeepSpeed's
+#     OutputBackwardHookManager class (data descriptors come before instance
+#     attributes) and hands every engine's hook a function that passes the
+#     gradient through when the running backward's snapshot governs the
+#     engine (NOTE [ Which snapshot an output hook obeys ] in _state.py) and
+#     calls DeepSpeed's otherwise.  Managers made before install, while
+#     installed and after are all covered, with no search of the heap
+#     (install costs the same in a process of any size); an output made while
+#     installed and backpropagated after remove(), or in an ungoverned
+#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was
+#     governed when it started stays governed if remove() runs inside it.
+#     The descriptor stays once put (a backward may outlive the last
+#     remove()); for engines no backward governs it changes nothing;
 #   * the loss division: engine.backward is shadowed by a function that calls
-#     DeepSpeed's with scale_wrt_gas=False inside gas_scaling(scale_wrt_gas),
+#     DeepSpeed's with scale_wrt_gas=False inside _state.engine_backward(...),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
 # Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
-# reduction hooks, loss scaling, timers) runs untouched.
+# reduction hooks, timers) runs untouched.
+#
+# NOTE [ fp16 engines ]
+# An fp16 engine's optimizer expects its gradients multiplied by its own
+# loss scale (it unscales by it, and checks them for overflow).  DeepSpeed
+# multiplies the whole loss by the scale of the engine whose backward (or
+# scale()) is called, so in one loss over two fp16 engines the other
+# engine's gradients carry the wrong scale once the dynamic scales differ.
+# graphscale places loss_scale(G) x factor(G) at each engine's boundary
+# (EngineGroup.pin) and strips what the seed already carries:
+#   * engine.backward(loss): DeepSpeed scales the loss by the calling
+#     engine's scale before backward; the adapter says so
+#     (engine_backward(carries=...)), and the plan divides it out;
+#   * engine.scale(loss).backward(): the adapter's scale() tags the scaled
+#     loss with the scale it applied (_state.CARRIES_ATTR), stripped alike;
+#   * loss.backward() directly: nothing to strip; graphscale applies every
+#     engine's scale, and tells DeepSpeed that this direct backward was
+#     scaled (its check would otherwise refuse it).
+# bf16 and fp32 engines have scale 1: nothing changes for them.
 """
 from __future__ import annotations
 
@@ -36,14 +59,14 @@ from typing import Any, Callable
 
 import torch
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ._errors import GraphscaleError
-from ._group import Group
-from ._state import gas_scaling, governing_state
+from ._group import UNSET, Group
+from ._state import CARRIES_ATTR, backward_state, engine_backward
 
-__all__ = ["is_engine", "attach", "EngineGroup", "zero_stage", "prologues_held"]
+__all__ = ["is_engine", "attach", "EngineGroup", "loss_scale", "zero_stage", "prologues_held"]
 
 _lock = threading.Lock()
 _attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
@@ -77,8 +100,30 @@ def _hook_managers() -> list[Any]:
     return [obj for obj in gc.get_referrers(cls) if type(obj) is cls]
 
 
+def loss_scale(engine: Any) -> float:
+    """The factor DeepSpeed's engine.backward multiplies the loss by (its
+    optimizer's ``scale_if_loss``, or the ZeRO-0 autocast grad scaler): the
+    fp16 loss scale, 1 for bf16 and fp32."""
+    opt = getattr(engine, "optimizer", None)
+    base = sys.modules.get("deepspeed.runtime.base_optimizer")
+    zero_type = getattr(base, "ZeROOptimizer", None)
+    if zero_type is not None and isinstance(opt, zero_type):
+        if getattr(opt, "custom_loss_scaler", False):
+            return float(opt.external_loss_scale)
+        scaler = getattr(opt, "torch_autocast_gradscaler", None)
+        if scaler is not None:
+            return float(scaler.get_scale())
+        loss_scaler = getattr(opt, "loss_scaler", None)
+        return float(loss_scaler.cur_scale) if loss_scaler is not None else 1.0
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
 class EngineGroup(Group):
-    """The group of a DeepSpeed engine: its module's parameters, its GAS.
+    """The group of a DeepSpeed engine: its module's parameters, its GAS (or a
+    ``factor`` in its place), its fp16 loss scale.  Made by
+    ``graphscale.Group(engine, factor=...)`` or by passing the engine to
+    ``install``.
 
     ``engine``: the engine (its bound ``gradient_accumulation_steps`` is the
     group's gas callable, which holds it anyway).
@@ -86,10 +131,35 @@ class EngineGroup(Group):
 
     __slots__ = ("engine",)
 
-    def __init__(self, engine: Any, name: str) -> None:
-        super().__init__(engine.module, gas=engine.gradient_accumulation_steps, name=name)
-        self._factor_key = ("engine", id(engine))
+    def __init__(self, engine: Any, gas: Any = UNSET, *, factor: Any = UNSET, name: str | None = None) -> None:
+        if gas is not UNSET:
+            raise TypeError(
+                "graphscale: Group(engine, gas=...): an engine's gradient-accumulation steps are its own "
+                "(its config's gradient_accumulation_steps); give factor= to put another factor in place of "
+                "1 / GAS."
+            )
+        if _is_pipeline(engine):
+            raise TypeError(
+                "graphscale.install: PipelineEngine schedules its own micro-batches and calls backward "
+                "itself; graphscale does not govern it. Install the non-pipeline engines only."
+            )
+        name = name or f"engine:{type(engine.module).__name__}#{id(engine) & 0xFFFF:04x}"
+        if factor is UNSET:
+            super().__init__(engine.module, gas=engine.gradient_accumulation_steps, name=name)
+            self._factor_key = ("engine", id(engine))
+        else:
+            super().__init__(engine.module, factor=factor, name=name)
+            self._factor_key = ("engine", id(engine), self._factor_key)
         self.engine: Any = engine
+
+    def pin(self, scaling: bool = True) -> float:
+        """``factor()`` (1 when ``not scaling``) times the engine's loss scale
+        (NOTE [ fp16 engines ])."""
+        scale = loss_scale(self.engine)
+        if scale != 1.0 and not getattr(self.engine, "_running_engine_backward", False):
+            # A direct backward: graphscale applies the scale, which DeepSpeed checks was done.
+            self.engine._manual_backward_expected = True
+        return (self.factor() if scaling else 1.0) * scale
 
 
 def zero_stage(group: Group) -> int:
@@ -114,36 +184,88 @@ def prologues_held() -> Iterator[None]:
             m.preprocess_done = False
 
 
+# ---------------------------------------------------------------- the output-hook redirect
+_FN = "preprocess_per_tensor_fn"
+_PROLOGUE = "_backward_prologue_per_tensor"
+
+
+class _Governed:
+    """An engine's per-tensor function as its output hook sees it while the
+    redirect is on: pass the gradient through when the running backward
+    governs the engine, else DeepSpeed's own (NOTE [ DeepSpeed's two
+    generations ])."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, native: Callable[[Any], Any]) -> None:
+        self.native = native
+
+    def __call__(self, grad: Any) -> Any:
+        state = backward_state()  # NOTE [ Which snapshot an output hook obeys ] (in _state.py)
+        if state is not None and id(self.native.__self__) in state.engines:  # type: ignore[attr-defined]
+            return grad  # graphscale places the factor at the engine's leaves
+        return self.native(grad)
+
+
+class _PerTensorRedirect:
+    """The data descriptor of NOTE [ DeepSpeed's two generations ] on
+    OutputBackwardHookManager: an engine's per-tensor function reads as
+    :class:`_Governed`; anything else as it was set."""
+
+    def __get__(self, manager: Any, owner: type | None = None) -> Any:
+        if manager is None:
+            return self
+        fn = manager.__dict__.get(_FN)
+        if getattr(fn, "__name__", None) == _PROLOGUE and is_engine(getattr(fn, "__self__", None)):
+            return _Governed(fn)
+        return fn
+
+    def __set__(self, manager: Any, value: Any) -> None:
+        manager.__dict__[_FN] = value
+
+
+_REDIRECT = _PerTensorRedirect()
+
+
+def _redirect_on() -> None:
+    """Put the redirect on DeepSpeed's hook-manager class (idempotent).  It
+    stays: a backward running when the last engine is removed still needs it,
+    and for engines no backward governs it hands DeepSpeed's function through."""
+    utils = sys.modules.get("deepspeed.runtime.utils")
+    cls = getattr(utils, "OutputBackwardHookManager", None)
+    if cls is None:
+        raise GraphscaleError(
+            "graphscale: this DeepSpeed has no deepspeed.runtime.utils.OutputBackwardHookManager, through which "
+            "graphscale switches the engines' own GAS division off; graphscale knows DeepSpeed 0.19.x. "
+            "No engine was installed."
+        )
+    present = cls.__dict__.get(_FN)
+    if present is None:
+        setattr(cls, _FN, _REDIRECT)
+    elif present is not _REDIRECT:
+        raise GraphscaleError(
+            f"graphscale: DeepSpeed's {cls.__name__}.{_FN} is already defined on the class (by another tool, "
+            "or a DeepSpeed version graphscale does not know); graphscale cannot govern engines safely here."
+        )
+
+
 class _EngineAdapter:
+    """Switches one engine's loss division off while it is installed
+    (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ])."""
+
     def __init__(self, engine: Any) -> None:
         self.refs = 0
         self.active = False
+        self.engine = engine
         cls = type(engine)
-        self._native_func = cls._backward_prologue_per_tensor
-        native_per_tensor = self._native_func.__get__(engine, cls)
         native_backward = cls.backward.__get__(engine, cls)
-        self._had_own = {n: n in engine.__dict__ for n in ("_backward_prologue_per_tensor", "backward")}
-        if any(self._had_own.values()):
+        native_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
+        if any(n in engine.__dict__ for n in (_PROLOGUE, "backward", "scale")):
             raise GraphscaleError(
-                "graphscale: this engine's backward or _backward_prologue_per_tensor is already "
+                "graphscale: this engine's backward, scale or _backward_prologue_per_tensor is already "
                 "replaced on the instance (by another tool?); graphscale cannot govern it safely."
             )
         adapter = self
-
-        key = ("engine", id(engine))
-
-        def per_tensor(grad: Any) -> Any:
-            # NOTE [ Which snapshot an output hook obeys ] (in _state.py): the
-            # backward running on this thread decides, not a remove() since.
-            governing = governing_state()
-            if governing is not None:
-                governed = key in governing.factor_keys  # NOTE [ Per-snapshot tables ]
-            else:  # the registry, not this adapter: an output made under an earlier
-                # installation of this engine must pass through under a later one too
-                governed = _attached.get(id(engine)) is not None
-            if governed:
-                return grad  # graphscale places the factor at the engine's leaves
-            return native_per_tensor(grad)
 
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
@@ -151,48 +273,48 @@ class _EngineAdapter:
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
             had_flag = hasattr(engine, "_scale_wrt_gas")
             try:
-                with gas_scaling(scale_wrt_gas):
+                with engine_backward(scale_wrt_gas, carries=loss_scale(engine)):
                     native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
             finally:
                 if had_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
                     engine._scale_wrt_gas = scale_wrt_gas
             return gas_scaled
 
+        def scale(loss: torch.Tensor) -> Any:
+            assert native_scale is not None
+            carries = loss_scale(engine)
+            scaled = native_scale(loss)
+            if adapter.active and carries != 1.0 and scaled is not loss:
+                setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]
+            return scaled
+
         backward.__doc__ = native_backward.__doc__
-        self.per_tensor: Callable[[Any], Any] = per_tensor
         self.backward = backward
+        self.scale = scale if native_scale is not None else None
 
-    def enable(self, engine: Any) -> None:
-        engine._backward_prologue_per_tensor = self.per_tensor
-        engine.backward = self.backward
+    def enable(self) -> None:
+        self.engine.backward = self.backward
+        if self.scale is not None:
+            self.engine.scale = self.scale
         self.active = True
-        # Outputs of forwards run before install hold DeepSpeed's own bound method.
-        for manager in _hook_managers():
-            fn = getattr(manager, "preprocess_per_tensor_fn", None)
-            if getattr(fn, "__self__", None) is engine and getattr(fn, "__func__", None) is self._native_func:
-                manager.preprocess_per_tensor_fn = self.per_tensor
 
-    def disable(self, engine: Any) -> None:
+    def disable(self) -> None:
         self.active = False
-        for name in ("_backward_prologue_per_tensor", "backward"):
-            engine.__dict__.pop(name, None)
+        for name in ("backward", "scale"):
+            self.engine.__dict__.pop(name, None)
 
 
-def attach(engine: Any) -> tuple[EngineGroup, Callable[[], None]]:
-    """Govern ``engine``; return its group and a function that undoes this once."""
-    if _is_pipeline(engine):
-        raise TypeError(
-            "graphscale.install: PipelineEngine schedules its own micro-batches and calls backward "
-            "itself; graphscale does not govern it. Install the non-pipeline engines only."
-        )
+def attach(group: EngineGroup) -> Callable[[], None]:
+    """Govern ``group.engine``; return a function that undoes this once."""
+    engine = group.engine
     with _lock:
         adapter = _attached.get(id(engine))
         if adapter is None:
+            _redirect_on()
             adapter = _EngineAdapter(engine)
             _attached[id(engine)] = adapter
-            adapter.enable(engine)
+            adapter.enable()
         adapter.refs += 1
-    group = EngineGroup(engine, name=f"engine:{type(engine.module).__name__}#{id(engine) & 0xFFFF:04x}")
     done = False
 
     def detach() -> None:
@@ -203,7 +325,7 @@ def attach(engine: Any) -> tuple[EngineGroup, Callable[[], None]]:
             done = True
             adapter.refs -= 1
             if adapter.refs == 0:
-                adapter.disable(engine)
+                adapter.disable()
                 del _attached[id(engine)]
 
-    return group, detach
+    return detach

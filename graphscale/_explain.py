@@ -1,7 +1,7 @@
 """``graphscale.explain``: the plan a backward would run, without running it.
 
 The explanation is made by the same code the governed backward runs: the
-fast-path decision (:func:`~graphscale._backward.fast_path_factor`) and the
+decision (:func:`~graphscale._backward.decide`) and the
 planner (:func:`~graphscale._planning.build_plan`).  What it shows is what
 the backward would do with the groups installed now and the factors read now.
 
@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from . import _state
-from ._backward import fast_path_factor, normalize
+from ._backward import FAST_PATH, PLANNED, decide, normalize
 from ._errors import GraphscaleError
 from ._group import Group
 from ._plan import Plan
@@ -213,22 +213,25 @@ def _labels(graph: Any, state: State) -> tuple[list[str], list[str | None], dict
     return labels, node_groups, reached, unowned
 
 
-def _decision(plan: Plan, fast: float | None, scaling: bool) -> tuple[tuple[float, ...], tuple[float, ...],
-                                                                     dict[tuple[int, int], float], str]:
+def _decision(plan: Plan, kind: str, fast: float, scaling: bool, factors: dict[Group, float]) -> tuple[
+        tuple[float, ...], tuple[float, ...], dict[tuple[int, int], float], str]:
     """Potentials, seed and edge multipliers, and the note, of what the backward would do."""
     n = len(plan.graph)
-    if fast is None:
+    if kind == PLANNED:
         edge_mults = {(u, k): m for u, row in plan.edge_mults.items() for k, m in row}
         return (tuple(plan.phi), tuple(plan.seeds), edge_mults,
                 f"walked: the backward walks these {n} nodes and multiplies where a group's region begins")
-    seed_mults = (fast,) * len(plan.seeds)
+    if kind == FAST_PATH:
+        note = (f"fast path: seed x {fast:g}, no walk (the {n} nodes here were walked for this explanation only; "
+                "the backward walks only until it knows no unowned leaf needs protecting)")
+        return (fast,) * n, (fast,) * len(plan.seeds), {}, note
     if not scaling:
         note = "no multiplication: scale_wrt_gas=False, every factor is 1"
-    elif fast == 1.0:
+    elif set(factors.values()) <= {1.0}:
         note = "no multiplication: every factor in play is 1"
     else:
-        note = f"fast path: seed x {fast:g}, no walk (the {n} nodes here were walked for this explanation only)"
-    return (fast,) * n, seed_mults, {}, note
+        note = "no multiplication: this backward reaches no owned leaf, so it is left as plain PyTorch runs it"
+    return (1.0,) * n, (1.0,) * len(plan.seeds), {}, note
 
 
 def _multiplications(labels: Sequence[str], edges: Sequence[tuple[int, ...]], root_index: Sequence[int],
@@ -248,7 +251,7 @@ def explain(
     *roots: Any,
     grad_tensors: Any = None,
     groups: Iterable[Group] | None = None,
-    unowned: str = "any",
+    unowned: str = "plain_params",
     scale_wrt_gas: bool = True,
 ) -> ExplainedPlan:
     """Return the plan a governed backward of ``roots`` would run; run nothing.
@@ -262,7 +265,7 @@ def explain(
             read now, and the installation's ``unowned`` policy.  Or an
             iterable of :class:`Group` to explain a backward under those
             instead (then ``unowned`` applies); nothing is installed.
-        unowned: with ``groups=``: ``"any"`` or ``"raw"``, as in ``install``.
+        unowned: with ``groups=``: the policy, as in ``install``.
         scale_wrt_gas: False explains ``engine.backward(loss,
             scale_wrt_gas=False)``: every factor is 1, nothing is multiplied.
 
@@ -288,14 +291,16 @@ def explain(
         >>> [(m.kind, m.node, m.edge, m.target, m.multiplier) for m in plan.multiplications]
         [('seed', 'seed[0]', None, 'SumBackward0#0', 0.5), ('edge', 'AddBackward0#1', 1, 'AddmmBackward0#3', 0.5)]
         >>> plan.graph.lint()
-        >>> print(graphscale.explain(loss, groups=[graphscale.Group(a, gas=2, name="a")]).note)
-        fast path: seed x 0.5, no walk (the 10 nodes here were walked for this explanation only)
+        >>> print(graphscale.explain(loss, groups=[graphscale.Group(a, gas=2, name="a")], unowned="any").note)
+        fast path: seed x 0.5, no walk (the 10 nodes here were walked for this explanation only; the backward walks only until it knows no unowned leaf needs protecting)
+        >>> print(graphscale.explain(loss, groups=[graphscale.Group(a, gas=2, name="a")]).note)  # b's Linear is protected
+        walked: the backward walks these 10 nodes and multiplies where a group's region begins
     """
     state = _state_for(groups, unowned)
     root_list = _checked_roots(roots, grad_tensors)
     scaling = scale_wrt_gas and _state.gas_scaling_enabled()
     factors = {g: (g.factor() if scaling else 1.0) for g in state.groups}
-    fast = fast_path_factor(state, factors)
+    kind, fast, _ = decide(root_list, state, factors, ())
     t0 = time.perf_counter()
     plan = build_plan(root_list, top_level_request(state, factors, ()))
     walk_us = (time.perf_counter() - t0) * 1e6
@@ -303,13 +308,13 @@ def explain(
     graph = plan.graph
     labels, node_groups, reached, unowned_count = _labels(graph, state)
     root_index = tuple(graph.index[n] if n is not None else -1 for n in map(root_node, root_list))
-    potentials, seed_mults, edge_mults, note = _decision(plan, fast, scaling)
+    potentials, seed_mults, edge_mults, note = _decision(plan, kind, fast, scaling, factors)
     seed_mults = tuple(m if i >= 0 else 1.0 for i, m in zip(root_index, seed_mults))
     edges = tuple(tuple(row) for row in graph.edges)
     return ExplainedPlan(
         roots=len(root_list),
         walk_us=walk_us,
-        fast_path=fast is not None and fast != 1.0,
+        fast_path=kind == FAST_PATH,
         note=note,
         groups=tuple(GroupInPlay(g.name, factors[g], reached.get(g, 0), len(g.parameters)) for g in state.groups),
         unowned_leaves=unowned_count,

@@ -1,14 +1,17 @@
-"""Groups: sets of leaves that share one gradient-accumulation factor.
+"""Groups: sets of leaves that share one factor.
 
-A group owns parameters (autograd leaves) and knows its GAS.  Its factor is
-``1 / GAS``, read once at the start of every governed backward, so a ``gas``
+A group owns parameters (autograd leaves) and knows its factor: ``1 / gas``
+(gradient accumulation), or a factor given directly.  The factor is read
+once at the start of every governed backward, so a ``gas`` or ``factor``
 callable may change between steps.
 """
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable
-from typing import Union
+from numbers import Real
+from typing import Any, Union
 
 import torch
 
@@ -17,7 +20,15 @@ from ._errors import GraphscaleError
 __all__ = ["Group"]
 
 GasSpec = Union[int, Callable[[], int]]
+FactorSpec = Union[float, Callable[[], float]]
 
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+UNSET: Any = _Unset()  # "not given" (gas= and factor= both default to it)
 _counter = itertools.count()
 
 
@@ -33,21 +44,83 @@ def _check_gas_value(value: object, where: str) -> int:
     return value
 
 
+def _check_factor_value(value: object, where: str) -> float:
+    """Return ``value`` as a float if it is a positive finite real number, else
+    raise ValueError naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(
+            f"graphscale: {where} must be a positive finite number (what the group's gradients are "
+            f"multiplied by), got {value!r} of type {type(value).__name__}."
+        )
+    f = float(value)
+    if not (math.isfinite(f) and f > 0.0):
+        raise ValueError(f"graphscale: {where} must be a positive finite number, got {value!r}.")
+    return f
+
+
+def _read(spec: Callable[[], Any], what: str, group: str) -> Any:
+    try:
+        return spec()
+    except Exception as exc:
+        raise GraphscaleError(
+            f"graphscale: the {what} callable of group {group!r} raised "
+            f"{type(exc).__name__}: {exc}. No gradient was touched."
+        ) from exc
+
+
+def _named_leaves(module_or_params: Any) -> tuple[list[tuple[str, torch.Tensor]], str]:
+    """(name, tensor) pairs of a module or an iterable of tensors, and a default group name."""
+    if isinstance(module_or_params, torch.nn.Module):
+        return list(module_or_params.named_parameters()), type(module_or_params).__name__
+    if isinstance(module_or_params, torch.Tensor):
+        return [("0", module_or_params)], "tensor"
+    if isinstance(module_or_params, Iterable) and not isinstance(module_or_params, (str, bytes)):
+        named = []
+        for i, p in enumerate(module_or_params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    "graphscale: Group(params) takes an nn.Module or an iterable of tensors; "
+                    f"item {i} is a {type(p).__name__}."
+                )
+            named.append((str(i), p))
+        return named, "params"
+    raise TypeError(
+        "graphscale: Group takes an nn.Module, an iterable of parameters or a DeepSpeed engine as its "
+        f"first argument, got {type(module_or_params).__name__}."
+    )
+
+
 class Group:
-    """Parameters whose gradients get one factor, ``1 / gas``, in every backward.
+    """Parameters whose gradients get one factor in every backward: ``1 / gas``,
+    or ``factor``.
 
     Args:
         module_or_params: an ``nn.Module`` (its ``parameters()`` as they are
-            now) or an iterable of tensors that require grad.
+            now), an iterable of tensors that require grad, or a DeepSpeed
+            engine (the group of its ``module.parameters()``, with the engine's
+            own GAS; the same as passing the engine to ``install``, and the way
+            to give an engine a ``factor``).
         gas: gradient-accumulation steps, a positive int, or a zero-argument
-            callable returning one.  A callable is read at the start of every
-            governed backward; if it raises or returns a bad value, that
-            backward raises before any gradient is touched.
+            callable returning one; the factor is ``1 / gas``.  Default 1
+            (for an engine: the engine's own).
+        factor: instead of ``gas``: the factor itself, a positive finite
+            number or a zero-argument callable returning one.  E.g. 1 for a
+            loss already normalised over the whole accumulation window (token
+            counts, ``num_items_in_batch``) beside ``1 / gas`` groups in the
+            same loss.
         name: used in messages and plans; defaults to the module's class name.
 
-    The parameter set is taken when the group is made: parameters added to the
-    module later are not owned.  A group holds strong references to its
-    parameters, and nothing else.
+    A callable is read at the start of every governed backward; if it raises
+    or returns a bad value, that backward raises before any gradient is
+    touched.  The parameter set is taken when the group is made: parameters
+    added to the module later are not owned.  A group holds strong references
+    to its parameters (an engine's group also to its engine), and nothing else.
+
+    Raises:
+        TypeError: a first argument that is none of the above, or both
+            ``gas`` and ``factor``, or ``gas`` for an engine.
+        ValueError: a ``gas`` that is not a positive int, a ``factor`` that is
+            not a positive finite number.
 
     Example::
 
@@ -57,80 +130,81 @@ class Group:
         0.25
         >>> len(g.parameters)
         2
+        >>> graphscale.Group(torch.nn.Linear(2, 2), factor=1.0, name="lm").factor()
+        1.0
     """
 
-    __slots__ = ("name", "_gas", "_params", "_param_names", "_factor_key", "__weakref__")
+    __slots__ = ("name", "_gas", "_factor", "_params", "_param_names", "_factor_key", "__weakref__")
+
+    def __new__(cls, module_or_params: Any = None, *args: Any, **kwargs: Any) -> Group:
+        if cls is Group and not isinstance(module_or_params, torch.Tensor):  # an engine is a Module
+            from ._deepspeed import is_engine  # imports no deepspeed
+
+            if is_engine(module_or_params):  # Group(engine, factor=...): the engine's group
+                from ._deepspeed import EngineGroup
+
+                return super().__new__(EngineGroup)
+        return super().__new__(cls)
 
     def __init__(
         self,
         module_or_params: torch.nn.Module | Iterable[torch.Tensor],
-        gas: GasSpec = 1,
+        gas: GasSpec = UNSET,
+        *,
+        factor: FactorSpec = UNSET,
         name: str | None = None,
     ) -> None:
-        named: list[tuple[str, torch.Tensor]]
-        if isinstance(module_or_params, torch.nn.Module):
-            named = list(module_or_params.named_parameters())
-            default_name = type(module_or_params).__name__
-        elif isinstance(module_or_params, torch.Tensor):
-            named = [("0", module_or_params)]
-            default_name = "tensor"
-        elif isinstance(module_or_params, Iterable) and not isinstance(module_or_params, (str, bytes)):
-            named = []
-            for i, p in enumerate(module_or_params):
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(
-                        "graphscale: Group(params) takes an nn.Module or an iterable of tensors; "
-                        f"item {i} is a {type(p).__name__}."
-                    )
-                named.append((str(i), p))
-            default_name = "params"
+        named, default_name = _named_leaves(module_or_params)
+        if gas is not UNSET and factor is not UNSET:
+            raise TypeError("graphscale: Group takes gas= or factor=, not both (factor is what 1 / gas would be).")
+        self._gas: Any = 1 if gas is UNSET and factor is UNSET else gas
+        self._factor: Any = None if factor is UNSET else factor
+        if self._factor is not None:
+            if callable(factor):
+                self._factor_key: object = ("factor-callable", id(factor))
+            else:
+                self._factor_key = ("factor", _check_factor_value(factor, "Group(factor=...)"))
+        elif callable(self._gas):
+            self._factor_key = ("callable", id(self._gas))
         else:
-            raise TypeError(
-                "graphscale: Group takes an nn.Module or an iterable of parameters as its first "
-                f"argument, got {type(module_or_params).__name__}. For a DeepSpeed engine, pass the "
-                "engine itself to graphscale.install()."
-            )
-        if callable(gas):
-            self._factor_key: object = ("callable", id(gas))
-        else:
-            _check_gas_value(gas, "Group(gas=...)")
-            self._factor_key = ("int", gas)
-        self._gas = gas
+            self._factor_key = ("int", _check_gas_value(self._gas, "Group(gas=...)"))
         self.name = name if name is not None else f"{default_name}#{next(_counter)}"
-        seen: set[int] = set()
-        params: list[torch.Tensor] = []
-        names: list[str] = []
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
         for pname, p in named:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            params.append(p)
-            names.append(pname)
-        self._params = tuple(params)
-        self._param_names = tuple(names)
+            unique.setdefault(id(p), (pname, p))
+        self._params = tuple(p for _, p in unique.values())
+        self._param_names = tuple(n for n, _ in unique.values())
 
     @property
     def parameters(self) -> tuple[torch.Tensor, ...]:
         """The leaves this group owns, in module order, without duplicates."""
         return self._params
 
-    def gas(self) -> int:
-        """Read the gradient-accumulation steps now (calls ``gas`` if callable)."""
+    def gas(self) -> int | None:
+        """Read the gradient-accumulation steps now (calls ``gas`` if callable);
+        None for a group made with ``factor=``."""
+        if self._factor is not None:
+            return None
         spec = self._gas
         if callable(spec):
-            try:
-                value = spec()
-            except Exception as exc:
-                raise GraphscaleError(
-                    f"graphscale: the gas callable of group {self.name!r} raised "
-                    f"{type(exc).__name__}: {exc}. No gradient was touched."
-                ) from exc
-            return _check_gas_value(value, f"the gas callable of group {self.name!r}")
-        return spec  # type: ignore[return-value]
+            return _check_gas_value(_read(spec, "gas", self.name), f"the gas callable of group {self.name!r}")
+        return spec  # type: ignore[no-any-return]
 
     def factor(self) -> float:
-        """``1 / gas()``: what every owned leaf's gradient is multiplied by."""
-        return 1.0 / self.gas()
+        """What every owned leaf's gradient is multiplied by, read now:
+        ``factor`` if given (called if callable), else ``1 / gas()``."""
+        spec = self._factor
+        if spec is None:
+            return 1.0 / self.gas()  # type: ignore[operator]
+        if callable(spec):
+            return _check_factor_value(_read(spec, "factor", self.name), f"the factor callable of group {self.name!r}")
+        return float(spec)
+
+    def pin(self, scaling: bool = True) -> float:
+        """What this backward multiplies the group's leaves by: ``factor()``
+        (1 when ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``).
+        An fp16 engine's group also multiplies in its loss scale."""
+        return self.factor() if scaling else 1.0
 
     @property
     def factor_key(self) -> object:
@@ -146,6 +220,9 @@ class Group:
                 return n
         return "?"
 
+    def _spec_repr(self) -> str:
+        key, spec = ("factor", self._factor) if self._factor is not None else ("gas", self._gas)
+        return f"{key}={getattr(spec, '__name__', 'callable') if callable(spec) else spec}"
+
     def __repr__(self) -> str:
-        gas = self._gas if not callable(self._gas) else getattr(self._gas, "__name__", "callable")
-        return f"Group({self.name!r}, gas={gas}, params={len(self._params)})"
+        return f"{type(self).__name__}({self.name!r}, {self._spec_repr()}, params={len(self._params)})"

@@ -16,7 +16,6 @@ import torch
 
 from . import _backward, _native, _state
 from ._group import Group
-from ._state import UNOWNED_POLICIES
 
 __all__ = ["Installation", "install"]
 
@@ -75,14 +74,15 @@ class Installation:
 
 
 def _as_group(obj: Any, detachers: list[Any]) -> Group:
-    if isinstance(obj, Group):
-        return obj
-    from . import _deepspeed  # the only module that knows about deepspeed, imported lazily
+    from . import _deepspeed  # the only module that knows about deepspeed (which it does not import)
 
     if _deepspeed.is_engine(obj):
-        group, detach = _deepspeed.attach(obj)
-        detachers.append(detach)
-        return group
+        obj = _deepspeed.EngineGroup(obj)
+    if isinstance(obj, _deepspeed.EngineGroup):
+        detachers.append(_deepspeed.attach(obj))
+        return obj
+    if isinstance(obj, Group):
+        return obj
     if isinstance(obj, torch.nn.Module):
         raise TypeError(
             f"graphscale: install() got a plain {type(obj).__name__} module; say what its gradient "
@@ -104,7 +104,7 @@ def _refresh() -> None:
         return
     state = _state.State.of(
         (g for inst in _installations for g in inst._groups),
-        "raw" if any(inst.unowned == "raw" for inst in _installations) else "any",
+        _state.strictest(inst.unowned for inst in _installations),
     )
     native = _native.loaded()
     if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
@@ -113,18 +113,26 @@ def _refresh() -> None:
     torch.autograd.backward = _backward.governed_backward
 
 
-def install(*groups: Any, unowned: str = "any") -> Installation:
-    """Govern every backward so each group's leaves get exactly ``1 / gas``.
+def install(*groups: Any, unowned: str = "plain_params") -> Installation:
+    """Govern every backward so each group's leaves get exactly its factor
+    (``1 / gas``, or the ``factor`` it was given).
 
     Args:
         *groups: :class:`Group` objects and/or ``deepspeed.DeepSpeedEngine``
             objects (an engine is the group of its ``module.parameters()``,
-            with its own gradient-accumulation steps).
-        unowned: ``"any"`` (default): a leaf that no group owns gets its plain
-            gradient times one factor that graphscale chooses (1 or one of the
-            factors in play, never a mixture), which keeps the fast path free;
-            ``"raw"``: such leaves get exactly their plain gradient.  With
-            several installations active, ``"raw"`` wins.
+            with its own gradient-accumulation steps; ``Group(engine,
+            factor=...)`` gives it another factor).
+        unowned: what leaves that no group owns receive in a backward that
+            reaches owned ones (NOTE [ Unowned leaves ] in ``_state.py``; a
+            backward that reaches no owned leaf is left alone whatever the
+            policy): ``"plain_params"`` (default): an unowned ``nn.Parameter``
+            exactly its plain gradient, other unowned leaves (inputs that
+            require grad) their plain gradient times one factor graphscale
+            chooses; ``"plain"``: every unowned leaf exactly its plain
+            gradient; ``"any"``: every unowned leaf its plain gradient times
+            one factor graphscale chooses (1 or one in play, never a mixture),
+            the cheapest.  With several installations active, the strictest
+            policy applies.
 
     Returns:
         An :class:`Installation`: a context manager with an idempotent
@@ -143,8 +151,8 @@ def install(*groups: Any, unowned: str = "any") -> Installation:
 
     Raises:
         TypeError: an argument is neither a Group nor a DeepSpeed engine.
-        ValueError: ``unowned`` is not ``"any"`` or ``"raw"``, or no group given.
-        ConfigurationError: a parameter is in two groups with different gas.
+        ValueError: ``unowned`` is not a policy name, or no group given.
+        ConfigurationError: a parameter is in two groups whose factors may differ.
 
     Example::
 
@@ -156,8 +164,7 @@ def install(*groups: Any, unowned: str = "any") -> Installation:
         >>> a.weight.grad, b.weight.grad
         (tensor([[0.5000, 0.5000]]), tensor([[0.2500, 0.2500]]))
     """
-    if unowned not in UNOWNED_POLICIES:
-        raise ValueError(f"graphscale: install(unowned=...) must be one of {UNOWNED_POLICIES}, got {unowned!r}.")
+    _state.check_policy(unowned, "install")
     if not groups:
         raise ValueError("graphscale: install() needs at least one Group or DeepSpeed engine.")
     with _lock:

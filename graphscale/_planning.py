@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable
 
@@ -26,8 +26,8 @@ from ._state import State
 from ._walk import walk
 
 __all__ = [
-    "root_node", "PlanRequest", "build_plan", "PyPlan", "native_plan", "plan_backward", "plan_nested",
-    "top_level_request", "checkpoint_hint",
+    "root_node", "PlanRequest", "Reached", "build_plan", "PyPlan", "native_plan", "plan_backward", "plan_nested",
+    "top_level_request", "checkpoint_hint", "probe", "NO_OWNED", "FAST", "PLAN",
 ]
 
 
@@ -70,7 +70,7 @@ class PlanRequest:
 
     @cached_property
     def input_pins(self) -> tuple[tuple[Any, float], ...]:
-        """(node, potential) for each non-leaf ``inputs=`` tensor under raw."""
+        """(node, potential) for each non-leaf ``inputs=`` tensor under "plain"."""
         if not self.state.raw:
             return ()
         value = self.carrier if self.carrier is not None else 1.0
@@ -153,32 +153,57 @@ def checkpoint_hint(state: State, factors: Mapping[Group, float]) -> Callable[[A
 
 
 # ---------------------------------------------------------------- the Python reference
-def _pins(graph: Any, request: PlanRequest) -> tuple[dict[int, float], set[int]]:
+@dataclass
+class Reached:
+    """What a backward's graph reached: owned leaves, the groups they belong
+    to, and the unowned nn.Parameters the policy looked at."""
+
+    owned_leaves: int = 0
+    custom_nodes: int = 0  # custom-Function nodes: may run a nested backward over hidden leaves
+    groups: set[Group] = field(default_factory=set)
+    unowned_params: list[torch.Tensor] = field(default_factory=list)
+
+
+def _unowned_pin(var: torch.Tensor, node: Any, request: PlanRequest, reached: Reached) -> float | None:
+    """The pin of an unowned leaf (NOTE [ Unowned leaves ] in _state.py; NOTE [
+    Unowned leaves in nested backward ] in _backward.py), or None."""
+    seen = request.outer_phi(node) if request.outer_phi is not None else None
+    if seen is not None:
+        return seen
+    policy, nested = request.state.policy, request.carrier is not None
+    if policy == "any" and not nested:
+        return None
+    param = isinstance(var, torch.nn.Parameter)
+    if param:
+        reached.unowned_params.append(var)
+    if nested:
+        return 1.0 if param else request.carrier
+    return 1.0 if policy == "plain" or param else None
+
+
+def _pins(graph: Any, request: PlanRequest, reached: Reached) -> tuple[dict[int, float], set[int]]:
     """Node index -> the potential it must have; and the enclosed nodes (NOTE [
     Nested backward through the enclosing graph ]), whose edges an enclosing
     plan multiplies already.  Later pins overwrite earlier ones; the native
     walker keeps this order (leaves, hints, inputs=, enclosed)."""
-    owner, factors, carrier, outer_phi = request.state.owner, request.factors, request.carrier, request.outer_phi
-    raw = request.state.raw
+    owner, factors, outer_phi = request.state.owner, request.factors, request.outer_phi
     pins: dict[int, float] = {}
     for i, var in graph.leaves.items():
         g = owner.get(id(var))
         if g is not None:
             pins[i] = factors[g]
+            reached.owned_leaves += 1
+            reached.groups.add(g)
             continue
-        seen = outer_phi(graph.nodes[i]) if outer_phi is not None else None
-        if seen is not None:
-            pins[i] = seen
-        elif carrier is not None and not isinstance(var, torch.nn.Parameter):
-            pins[i] = carrier
-        elif raw or carrier is not None:
-            pins[i] = 1.0
-    if request.hint is not None:  # NOTE [ Checkpoint hints ]
-        for i, node in enumerate(graph.nodes):
-            if isinstance(node, _BackwardCFunction) and i not in graph.leaves:
-                h = request.hint(node)
-                if h is not None:
-                    pins[i] = h
+        pin = _unowned_pin(var, graph.nodes[i], request, reached)
+        if pin is not None:
+            pins[i] = pin
+    for i, node in enumerate(graph.nodes):
+        if isinstance(node, _BackwardCFunction) and i not in graph.leaves:
+            reached.custom_nodes += 1
+            h = request.hint(node) if request.hint is not None else None  # NOTE [ Checkpoint hints ]
+            if h is not None:
+                pins[i] = h
     for node, value in request.input_pins:
         j = graph.index.get(node)
         if j is not None:
@@ -194,31 +219,43 @@ def _pins(graph: Any, request: PlanRequest) -> tuple[dict[int, float], set[int]]
     return pins, enclosed
 
 
-def build_plan(roots: Sequence[Any], request: PlanRequest) -> Plan:
-    """Walk from ``roots`` and choose potentials (NOTE [ Potentials ] in _plan.py)."""
+def _build(roots: Sequence[Any], request: PlanRequest) -> tuple[Plan, Reached]:
     root_nodes = [root_node(t) for t in roots]
     graph = walk(root_nodes)
-    pins, enclosed = _pins(graph, request)
+    reached = Reached()
+    pins, enclosed = _pins(graph, request, reached)
     root_idx = [graph.index[n] if n is not None else -1 for n in root_nodes]
     plan = make_plan(graph, pins, root_idx, base=request.base)
     if enclosed:  # their hooks are in place already: placing them again would scale twice
         plan = replace(plan, edge_mults={u: m for u, m in plan.edge_mults.items() if u not in enclosed})
-    return plan
+    return plan, reached
+
+
+def build_plan(roots: Sequence[Any], request: PlanRequest) -> Plan:
+    """Walk from ``roots`` and choose potentials (NOTE [ Potentials ] in _plan.py)."""
+    return _build(roots, request)[0]
 
 
 class PyPlan:
     """A Python :class:`Plan` seen through what applying it needs; the native
     walker's ``NativePlan`` has the same surface (seeds, num_nodes,
-    multiplications, base, hooks(), phi_of(node))."""
+    multiplications, base, owned_leaves, unowned_params, hooks(),
+    phi_of(node), groups_reached(), unowned_parameters())."""
 
-    __slots__ = ("plan", "seeds", "num_nodes", "multiplications", "base")
+    __slots__ = ("plan", "seeds", "num_nodes", "multiplications", "base", "owned_leaves", "custom_nodes",
+                 "unowned_params", "_reached", "_groups")
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, reached: Reached, groups: Sequence[Group]) -> None:
         self.plan = plan
         self.seeds = plan.seeds
         self.num_nodes = len(plan.graph)
         self.multiplications = plan.multiplications
         self.base = plan.base
+        self.owned_leaves = reached.owned_leaves
+        self.custom_nodes = reached.custom_nodes
+        self.unowned_params = len(reached.unowned_params)
+        self._reached = reached
+        self._groups = groups
 
     def hooks(self) -> list[tuple[Any, tuple[tuple[int, float], ...]]]:
         nodes = self.plan.graph.nodes
@@ -227,6 +264,61 @@ class PyPlan:
     def phi_of(self, node: Any) -> float | None:
         i = self.plan.graph.index.get(node)
         return None if i is None else self.plan.phi[i]
+
+    def groups_reached(self) -> list[int]:
+        """Positions (in the state's groups) of the groups whose leaves this backward reaches."""
+        return [k for k, g in enumerate(self._groups) if g in self._reached.groups]
+
+    def unowned_parameters(self) -> list[torch.Tensor]:
+        return list(self._reached.unowned_params)
+
+
+# ---------------------------------------------------------------- before the fast path
+NO_OWNED, FAST, PLAN = 0, 1, 2
+
+
+def _probe_python(roots: Sequence[Any], state: State) -> int:
+    """The Python twin of the native ``probe`` (see there)."""
+    policy, owner = state.policy, state.owner
+    stack = [n for n in map(root_node, roots) if n is not None]
+    seen = set(stack)
+    owned = unowned = hidden = False
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _BackwardCFunction):
+            hidden = True
+            if policy != "any":
+                return PLAN
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            if id(var) in owner:
+                owned = True
+                if policy == "any":
+                    return FAST
+            elif policy == "plain" or (policy == "plain_params" and isinstance(var, torch.nn.Parameter)):
+                unowned = True
+            if owned and unowned:
+                return PLAN
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return FAST if owned else (PLAN if hidden else NO_OWNED)
+
+
+def probe(roots: Sequence[Any], state: State) -> int:
+    """Before the fast path (NOTE [ Fast path ] in _backward.py): NO_OWNED when
+    a backward of ``roots`` reaches no owned leaf (leave it alone), FAST when
+    multiplying its seeds by the one factor in play is exact under the
+    state's policy, PLAN when unowned leaves the policy protects are reached
+    too, or a custom-Function node may hide leaves (a reentrant checkpoint
+    runs a nested backward over them).  Walks only until the answer is known."""
+    native = _native.load()
+    if native is not None:
+        return int(native.probe(tuple(roots), _native.owners_for(state, native), state.policy_index,
+                                torch.nn.Parameter))
+    return _probe_python(roots, state)
 
 
 # ---------------------------------------------------------------- native or Python
@@ -240,7 +332,7 @@ def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: 
         request.factor_list,
         request.base,
         request.carrier,
-        request.state.raw,
+        request.state.policy_index,
         torch.nn.Parameter,
         [node for node, _ in request.input_pins],
         [value for _, value in request.input_pins],
@@ -264,7 +356,7 @@ def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Any:
             return native_plan(native, roots, request, outer)
         except OverflowError:  # more than 64 distinct factors: the Python planner has no limit
             pass
-    return PyPlan(build_plan(roots, request))
+    return PyPlan(*_build(roots, request), request.state.groups)
 
 
 def top_level_request(state: State, factors: Mapping[Group, float], inputs: tuple[Any, ...]) -> PlanRequest:

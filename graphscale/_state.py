@@ -27,21 +27,42 @@ This module holds graphscale's process-wide state and nothing else:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import torch
+from torch.autograd.graph import GradientEdge
 
 from ._errors import ConfigurationError
 from ._group import Group
 
 __all__ = [
-    "UNOWNED_POLICIES", "State", "current", "set_current", "gas_scaling", "gas_scaling_enabled",
-    "governing", "governing_state", "Running", "running_plan", "running", "find_enclosing",
+    "UNOWNED_POLICIES", "check_policy", "strictest", "State", "current", "set_current", "engine_backward",
+    "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "governing", "governing_state", "bound",
+    "task_state", "backward_state", "Running", "running_plan", "running", "find_enclosing",
     "enclosing_phi", "observer", "walk_recorder",
 ]
 
-UNOWNED_POLICIES = ("any", "raw")
+# NOTE [ Unowned leaves ]
+# A backward whose graph reaches no owned leaf is left exactly as plain
+# PyTorch runs it, whatever the policy: models graphscale does not govern (a
+# reference, reward or EMA model, a DDP baseline) live in the same process.
+# In a backward that does reach owned leaves, the policy says what the leaves
+# no group owns receive:
+#   "plain_params" (default): every unowned nn.Parameter exactly its plain
+#       gradient (a module left out of every group is almost always a
+#       mistake, and must not be rescaled silently); other unowned leaves
+#       (inputs that require grad) g times one factor graphscale chooses.
+#   "plain": every unowned leaf exactly its plain gradient.
+#   "any": every unowned leaf g times one factor graphscale chooses (1 or one
+#       in play, never a mixture): the cheapest, opt-in.
+# The fast path (one factor in play) first walks until it knows the answer
+# (NOTE [ Fast path ] in _backward.py).  The index of a policy in
+# UNOWNED_POLICIES is what the native walker takes.
+UNOWNED_POLICIES = ("any", "plain_params", "plain")
+_RENAMED = {"raw": "plain"}
 
 
 def _owner_map(groups: Iterable[Group]) -> dict[int, Group]:
@@ -55,11 +76,27 @@ def _owner_map(groups: Iterable[Group]) -> dict[int, Group]:
             elif prev.factor_key != g.factor_key:
                 raise ConfigurationError(
                     f"graphscale: parameter {g.param_name(p)!r} (shape {tuple(p.shape)}) is in group "
-                    f"{prev.name!r} and in group {g.name!r}, whose gradient-accumulation steps may "
-                    "differ, so no single factor is right for it. Put it in one group only, or give "
+                    f"{prev.name!r} and in group {g.name!r}, whose factors (gradient-accumulation steps) "
+                    "may differ, so no single factor is right for it. Put it in one group only, or give "
                     "both groups the same gas."
                 )
     return owner
+
+
+def check_policy(unowned: object, where: str) -> str:
+    """``unowned`` if it names a policy, else a ValueError naming the choices."""
+    if unowned in _RENAMED:
+        raise ValueError(f"graphscale: {where}(unowned={unowned!r}) is now unowned={_RENAMED[unowned]!r} "
+                         f"(same meaning); the policies are {UNOWNED_POLICIES}.")
+    if unowned not in UNOWNED_POLICIES:
+        raise ValueError(f"graphscale: {where}(unowned=...) must be one of {UNOWNED_POLICIES} "
+                         f"(NOTE [ Unowned leaves ]), got {unowned!r}.")
+    return unowned  # type: ignore[return-value]
+
+
+def strictest(policies: Iterable[str]) -> str:
+    """The policy that satisfies every one of ``policies`` (installations add up)."""
+    return UNOWNED_POLICIES[max((UNOWNED_POLICIES.index(p) for p in policies), default=1)]
 
 
 @dataclass(frozen=True)
@@ -67,41 +104,53 @@ class State:
     """A snapshot of what is installed, read once per backward.
 
     Make one with :meth:`State.of`.  ``owner`` maps ``id(leaf)`` to its group
-    (the groups keep the leaves alive); ``raw``: unowned leaves must get
-    exactly their plain gradient.
+    (the groups keep the leaves alive); ``policy``: what unowned leaves get
+    (NOTE [ Unowned leaves ]).
     """
 
     groups: tuple[Group, ...]
     owner: dict[int, Group]
-    raw: bool
+    policy: str
     # Derived from the above, once (NOTE [ Per-snapshot tables ]).
-    factor_keys: frozenset[object] = field(init=False, repr=False, compare=False)
+    engines: frozenset[int] = field(init=False, repr=False, compare=False)  # id() of governed engines
     cache: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "factor_keys", frozenset(g.factor_key for g in self.groups))
+        engines = (getattr(g, "engine", None) for g in self.groups)
+        object.__setattr__(self, "engines", frozenset(id(e) for e in engines if e is not None))
         object.__setattr__(self, "cache", {})
 
     @classmethod
-    def of(cls, groups: Iterable[Group], unowned: str, where: str = "graphscale.install") -> State:
+    def of(cls, groups: Iterable[Group], unowned: str, where: str = "install") -> State:
         """The snapshot of ``groups`` (duplicates dropped, order kept) under the
         ``unowned`` policy.
 
         Raises:
             ValueError: ``unowned`` is not a policy name.
-            ConfigurationError: a leaf is in two groups whose gas may differ.
+            ConfigurationError: a leaf is in two groups whose factors may differ.
         """
-        if unowned not in UNOWNED_POLICIES:
-            raise ValueError(f"graphscale: {where}(unowned=...) must be one of {UNOWNED_POLICIES}, got {unowned!r}.")
+        policy = check_policy(unowned, where)
         unique: list[Group] = []
         for g in groups:
             if g not in unique:
                 unique.append(g)
-        return cls(groups=tuple(unique), owner=_owner_map(unique), raw=unowned == "raw")
+        return cls(groups=tuple(unique), owner=_owner_map(unique), policy=policy)
 
-    def read_factors(self) -> dict[Group, float]:
-        """Every group's factor, read now (a gas callable may raise: nothing is touched yet)."""
-        return {g: g.factor() for g in self.groups}
+    @property
+    def raw(self) -> bool:
+        """Every unowned leaf must get exactly its plain gradient (policy "plain")."""
+        return self.policy == "plain"
+
+    @property
+    def policy_index(self) -> int:
+        """The policy as the native walker takes it."""
+        return UNOWNED_POLICIES.index(self.policy)
+
+    def read_factors(self, scaling: bool = True) -> dict[Group, float]:
+        """Every group's pin, read now: its factor (1 when ``not scaling``:
+        ``engine.backward(scale_wrt_gas=False)``) times its loss scale (fp16
+        engines).  A callable may raise: nothing is touched yet."""
+        return {g: g.pin(scaling) for g in self.groups}
 
 
 _current: State | None = None
@@ -121,7 +170,7 @@ def current() -> State | None:
 # ---------------------------------------------------------------- thread-local context
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.gas_scaling: list[bool] = []  # engine.backward(scale_wrt_gas=...), innermost last
+        self.engine_calls: list[tuple[bool, float]] = []  # engine.backward frames, innermost last
         self.governing: list[State] = []  # snapshots of governed backwards on this thread
 
 
@@ -137,15 +186,29 @@ def _pushed(stack: list[Any], value: Any) -> Iterator[None]:
         stack.pop()
 
 
-def gas_scaling(enabled: bool) -> AbstractContextManager[None]:
-    """Within this block, top-level governed backwards on this thread apply
-    the GAS factors only if ``enabled`` (``engine.backward(scale_wrt_gas=...)``)."""
-    return _pushed(_local.gas_scaling, enabled)
+def engine_backward(scaling: bool, carries: float = 1.0) -> AbstractContextManager[None]:
+    """Within this block (an adapter's ``engine.backward``), top-level governed
+    backwards on this thread apply the factors only if ``scaling``
+    (``scale_wrt_gas``), and their seeds already carry ``carries`` (the
+    calling engine's fp16 loss scale, applied by DeepSpeed before it calls
+    backward)."""
+    return _pushed(_local.engine_calls, (scaling, carries))
+
+
+def engine_backward_frame() -> tuple[bool, float]:
+    """(scaling, carries) of the innermost :func:`engine_backward` on this thread, or (True, 1.0)."""
+    stack = _local.engine_calls
+    return stack[-1] if stack else (True, 1.0)
 
 
 def gas_scaling_enabled() -> bool:
-    stack = _local.gas_scaling
-    return stack[-1] if stack else True
+    return engine_backward_frame()[0]
+
+
+# A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
+# has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
+# in _deepspeed.py).
+CARRIES_ATTR = "_graphscale_carries"
 
 
 # NOTE [ Which snapshot an output hook obeys ]
@@ -153,15 +216,20 @@ def gas_scaling_enabled() -> bool:
 # backward read its State snapshot.  If they asked "is the engine installed
 # now?", a remove() in between (from a backward hook, or from another thread)
 # would make them divide inside a backward whose plan already scales the
-# engine's leaves: scaled twice, silently.  So each top-level governed backward
-# pushes its snapshot on a thread-local stack while it runs, and the adapter's
-# hook asks governing_state() first.  CPU nodes run on the thread that called
-# backward, so on CPU this is exact; on autograd device threads (CUDA) the
-# stack is empty and the adapter falls back to whether the engine is installed.
-# Not covered: a backward that began *ungoverned* (nothing installed yet) on one
-# thread while another thread installs an engine whose outputs it reaches: its
-# remaining output hooks pass through, as they must under torch.autograd.grad
-# (which they cannot tell apart).  Install before other threads start training.
+# engine's leaves (scaled twice), and a backward begun ungoverned before an
+# install would lose DeepSpeed's division.  So a governed backward that
+# governs engines binds its autograd graph task to its snapshot (bound()):
+# each root is replaced by a view of itself whose tensor hook, the first hook
+# of the task's first node, records torch._C._current_graph_task_id() ->
+# snapshot; a nested backward binds its own task the same way.  The graph
+# task id is what every thread running the task's nodes reads, the caller's
+# and autograd's device threads (CUDA) alike.  The adapter's hook asks
+# backward_state(): the snapshot bound to the running task, else (a root
+# that could not be viewed) the thread-local snapshot of the governed
+# backward running on this thread (exact on CPU, where nodes run on the
+# caller's thread).  An unbound task is an ungoverned backward
+# (torch.autograd.grad, or one begun before install): DeepSpeed's own
+# division applies there, as without graphscale.
 def governing(state: State) -> AbstractContextManager[None]:
     """Mark ``state`` as the snapshot of the top-level backward running on this thread."""
     return _pushed(_local.governing, state)
@@ -171,6 +239,56 @@ def governing_state() -> State | None:
     """The snapshot of the governed backward running on this thread, if any."""
     stack = _local.governing
     return stack[-1] if stack else None
+
+
+_by_task: dict[int, State] = {}  # graph task id -> snapshot, while that backward runs
+
+
+@contextmanager
+def bound(roots: Sequence[Any], state: State) -> Iterator[tuple[Any, ...]]:
+    """Bind the graph task of a backward of ``roots`` to ``state`` while it
+    runs: yields the roots to hand to torch (views of the tensor roots;
+    NOTE [ Which snapshot an output hook obeys ])."""
+    tasks: list[int] = []
+
+    def bind(*_: Any) -> None:
+        tid = torch._C._current_graph_task_id()
+        if tid >= 0 and tid not in _by_task:
+            _by_task[tid] = state
+            tasks.append(tid)
+
+    handles = []
+    out = []
+    with torch.enable_grad():  # a backward may run under no_grad; the view must be in the graph
+        for t in roots:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
+                v = t.view_as(t)
+                handles.append(v.register_hook(bind))
+                out.append(v)
+            else:  # an edge, a sparse or nested root: bind at its node (after its own tensor hooks)
+                node = t.node if isinstance(t, GradientEdge) else t.grad_fn
+                if node is not None:
+                    handles.append(node.register_prehook(bind))
+                out.append(t)
+    try:
+        yield tuple(out)
+    finally:
+        for h in handles:
+            h.remove()
+        for tid in tasks:
+            _by_task.pop(tid, None)
+
+
+def task_state() -> State | None:
+    """The snapshot bound to the graph task this thread is running a node of."""
+    return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
+
+
+def backward_state() -> State | None:
+    """The snapshot governing the backward this code runs inside (an output
+    hook): the running task's, else this thread's governed backward's."""
+    state = task_state()
+    return state if state is not None else governing_state()
 
 
 # ---------------------------------------------------------------- running plans

@@ -3,7 +3,7 @@ skipped cleanly where deepspeed is missing, and gradient oracles."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 import socket
 from typing import Any, Callable
@@ -121,14 +121,17 @@ def grad_mismatches(
     factor_of: dict[str, float],
     unowned: str,
     rtol: float = 1e-9,
+    params: Collection[str] = (),
 ) -> list[str]:
     """Every leaf whose gradient breaks graphscale's contract, as readable lines.
 
     ``plain``: the gradients plain PyTorch gives (the oracle); ``got``: what the
     governed run gave; ``factor_of``: 1/gas of each owned leaf (others are
-    unowned).  Owned leaves must be exactly ``factor * plain``; unowned ones
-    exactly ``plain`` under ``"raw"``, and ``c * plain`` for one ``c`` in
-    {1} and the factors in play under ``"any"``.
+    unowned); ``params``: the unowned leaves that are ``nn.Parameter`` s.
+    Owned leaves must be exactly ``factor * plain``; unowned ones exactly
+    ``plain`` under ``"plain"`` (and the Parameters under
+    ``"plain_params"``), else ``c * plain`` for one ``c`` in {1} and the
+    factors in play.
     """
     candidates = sorted({1.0, *factor_of.values()})
     bad: list[str] = []
@@ -149,7 +152,7 @@ def grad_mismatches(
             continue
         if name in factor_of:
             want = [factor_of[name]]
-        elif unowned == "raw":
+        elif unowned == "plain" or (unowned == "plain_params" and name in params):
             want = [1.0]
         else:
             want = candidates
@@ -160,21 +163,31 @@ def grad_mismatches(
     return bad
 
 
+_spied: list[list[Any]] = []  # the lists spy_handles() records into, innermost last
+
+
+class _SpyHandle(torch.utils.hooks.RemovableHandle):
+    """RemovableHandle that records itself while spy_handles() is active.
+    One class for the whole session: a class made per call leaves a weak
+    reference to each in its base's subclass list until the collector runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _spied:
+            _spied[-1].append(self)
+
+
 @contextmanager
 def spy_handles() -> Iterator[list[Any]]:
     """Every RemovableHandle made while inside (Node and tensor register_hook make one)."""
     made: list[Any] = []
     original = torch.utils.hooks.RemovableHandle
-
-    class Spy(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    torch.utils.hooks.RemovableHandle = Spy  # type: ignore[misc]
+    torch.utils.hooks.RemovableHandle = _SpyHandle  # type: ignore[misc]
+    _spied.append(made)
     try:
         yield made
     finally:
+        _spied.pop()
         torch.utils.hooks.RemovableHandle = original  # type: ignore[misc]
 
 

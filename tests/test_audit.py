@@ -86,7 +86,7 @@ def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatc
     torch.manual_seed(0)
     owned, free = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     x = torch.randn(3, 2)
-    with graphscale.install(graphscale.Group(owned, gas=2, name="owned"), unowned="raw"), graphscale.audit() as check:
+    with graphscale.install(graphscale.Group(owned, gas=2, name="owned"), unowned="plain"), graphscale.audit() as check:
         (owned(x) + free(x)).sum().backward()
         assert check.ok
         _double_every_edge_multiplier(monkeypatch)

@@ -296,8 +296,8 @@ SHAPES: list[Shape] = [
     Shape("nested_A_of_B", {"A": 2, "B": 4}, "engine:A", _wrong(True, True), variants=("fp32", "bf16")),
     Shape("nested_A_of_B", {"A": 2, "B": 4}, "engine:B", _wrong(True, True)),
     Shape("nested_A_of_B", {"A": 2, "B": 4}, "loss", _wrong(True, True), variants=("fp32", "offload")),
-    Shape("upstream_feeds_two_engines", {"A": 2, "B": 4}, "loss", _wrong(True, True), unowned="raw"),
-    Shape("upstream_feeds_two_engines", {"A": 2, "B": 4}, "engine:B", _wrong(True, True), unowned="raw"),
+    Shape("upstream_feeds_two_engines", {"A": 2, "B": 4}, "loss", _wrong(True, True), unowned="plain"),
+    Shape("upstream_feeds_two_engines", {"A": 2, "B": 4}, "engine:B", _wrong(True, True), unowned="plain"),
     *(Shape(f"ckpt_around_{_ckpt_name(how)}", {"A": 2, "B": 4}, call, _wrong(False, call != "loss"))
       for how in CHECKPOINTS for call in ("loss", "engine:A")),
     # DeepSpeed's non-reentrant checkpoint inside a ZeRO-3 forward fails on its own
@@ -389,9 +389,9 @@ def oracle(pool: Pool, shape: Shape, gas: dict[str, int] | None = None) -> Resul
 
 
 def errors(got: Result, want: Result, shape: Shape) -> dict[str, float]:
-    """Max relative error per engine, and of the upstream module under unowned="raw"."""
+    """Max relative error per engine, and of the upstream module under unowned="plain"."""
     errs = {n: max_rel_err(got.grads[n], want.grads[n]) for n in want.grads}
-    if shape.unowned == "raw":
+    if shape.unowned == "plain":
         assert got.upstream is not None and want.upstream is not None
         errs["U"] = max_rel_err([got.upstream], [want.upstream])
     return errs

@@ -54,10 +54,10 @@ def test_parameter_in_two_groups_with_the_same_gas_is_scaled_once() -> None:
     plain = {n: p.grad.clone() for n, p in net.named_parameters()}
     net.zero_grad(set_to_none=True)
     with graphscale.install(graphscale.Group(net, gas=4, name="a"), graphscale.Group(net.head, gas=4, name="b"),
-                            unowned="raw"):
+                            unowned="plain"):
         net(x).sum().backward()
     got = {n: p.grad for n, p in net.named_parameters()}
-    bad = grad_mismatches(plain, got, {n: 0.25 for n in plain}, "raw")
+    bad = grad_mismatches(plain, got, {n: 0.25 for n in plain}, "plain")
     assert not bad, "\n  ".join(bad)
 
 
@@ -96,7 +96,7 @@ def test_non_positive_or_non_integer_gas_is_a_value_error(gas: Any) -> None:
 def test_unknown_unowned_policy_is_a_value_error(unowned: Any) -> None:
     with pytest.raises(ValueError, match=r"^graphscale: .*unowned") as info:
         graphscale.install(graphscale.Group(nn.Linear(2, 2), gas=2), unowned=unowned)
-    assert "'any'" in str(info.value) and "'raw'" in str(info.value)
+    assert "'any'" in str(info.value) and "'plain'" in str(info.value)
     assert torch.autograd.backward is _backward.ORIGINAL_BACKWARD
 
 
@@ -182,7 +182,7 @@ FAILURES = [
 
 
 @pytest.mark.parametrize("gas", [(2, 4), (4, 4)], ids=["walked", "fast_path"])
-@pytest.mark.parametrize("unowned", ["any", "raw"])
+@pytest.mark.parametrize("unowned", ["any", "plain"])
 @pytest.mark.parametrize("make_loss", FAILURES)
 def test_exception_in_backward_leaves_no_hook_and_the_next_backward_exact(
     make_loss: Callable[..., torch.Tensor], unowned: str, gas: tuple[int, int]
@@ -217,6 +217,6 @@ def test_exception_in_backward_leaves_no_hook_and_the_next_backward_exact(
         bad = grad_mismatches(plain, grads(), factor_of, unowned)
         assert not bad, "governed backward after the exception:\n  " + "\n  ".join(bad)
     loss.backward()  # and once uninstalled, the same graph is plain PyTorch again
-    bad = grad_mismatches(plain, grads(), {}, "raw")
+    bad = grad_mismatches(plain, grads(), {}, "plain")
     assert not bad, "plain backward after the exception found graphscale's hooks:\n  " + "\n  ".join(bad)
     assert grad_mismatches(plain, plain, factor_of, unowned), "case cannot tell graphscale from no-op"

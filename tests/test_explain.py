@@ -158,12 +158,15 @@ def test_table_names_groups_factors_leaves_and_every_multiplication() -> None:
     assert len(re.findall(r"^\s+(seed|edge)\s", text, flags=re.M)) == 2, text
 
 
-def test_unowned_leaves_are_counted_with_the_factor_they_get() -> None:
+@pytest.mark.parametrize("unowned, factor", [("plain_params", "1"), ("any", "0\\.5")])
+def test_unowned_leaves_are_counted_with_the_factor_they_get(unowned: str, factor: str) -> None:
+    """The unowned Linear's parameters keep their plain gradient by default;
+    under "any" they take the one factor in play (the fast path)."""
     g1, other = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     loss = (g1(torch.ones(1, 2)) + other(torch.ones(1, 2))).sum()
-    plan = graphscale.explain(loss, groups=[graphscale.Group(g1, gas=2, name="g1")])
+    plan = graphscale.explain(loss, groups=[graphscale.Group(g1, gas=2, name="g1")], unowned=unowned)
     assert plan.unowned_leaves == 2
-    assert re.search(r"\(unowned\)\s+0\.5\s+2", str(plan)), str(plan)
+    assert re.search(rf"\(unowned\)\s+{factor}\s+2", str(plan)), str(plan)
 
 
 def test_to_dot_colours_each_potential_and_marks_each_multiplication() -> None:
@@ -264,7 +267,7 @@ def test_fx_graph_of_any_composition_delivers_each_owned_leaf_its_factor(
 ) -> None:
     """Random mixes of applying a group's module and adding: the fx graph is
     well formed, has one node per walked grad_fn, and every owned leaf is
-    reached with exactly its group's factor (unowned leaves under "raw": 1)."""
+    reached with exactly its group's factor (unowned leaves under "plain": 1)."""
     mods = [torch.nn.Linear(3, 3) for _ in gas]
     free = torch.nn.Linear(3, 3)
     groups = [graphscale.Group(m, gas=k, name=f"g{i}") for i, (m, k) in enumerate(zip(mods, gas))]
@@ -275,7 +278,7 @@ def test_fx_graph_of_any_composition_delivers_each_owned_leaf_its_factor(
         else:
             values.append(values[a % len(values)] + free(values[b % len(values)]))
     loss = sum(v.sum() for v in values[1:])
-    plan = graphscale.explain(loss, groups=groups, unowned="raw" if raw else "any")
+    plan = graphscale.explain(loss, groups=groups, unowned="plain" if raw else "any")
     plan.graph.lint()
     assert sum(1 for n in plan.graph.nodes if n.meta["graphscale"]["kind"] == "grad_fn") == len(walk([loss.grad_fn]))
     factor = {g.name: g.factor() for g in groups}

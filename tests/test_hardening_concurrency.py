@@ -127,7 +127,7 @@ def test_threads_that_install_and_remove_their_own_groups_each_step_stay_exact()
             for step in range(STEPS):
                 # raw: the other thread's groups never lend these leaves a factor
                 with graphscale.install(graphscale.Group(a, gas=gases[i][0]), graphscale.Group(c, gas=gases[i][1]),
-                                        unowned="raw"):
+                                        unowned="plain"):
                     msg = _one_step(a, c, x, 1 / gases[i][0], 1 / gases[i][1])
                 if msg:
                     bad.append(f"thread {i} step {step} (installed): {msg}")
@@ -162,7 +162,7 @@ def test_an_unrelated_thread_installing_and_removing_never_changes_another_threa
                     bad.append(f"churner cycle {cycles}: {msg}")
             cycles += 1
 
-    with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(c, gas=4), unowned="raw"):
+    with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(c, gas=4), unowned="plain"):
         failures = _run_threads([trainer, churner])
     assert not failures and not bad, failures + bad[:10]
 

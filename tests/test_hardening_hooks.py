@@ -64,8 +64,8 @@ def _forward(actor: torch.nn.Module, critic: torch.nn.Module, x: torch.Tensor, r
 CASES = [
     pytest.param((4, 4), "any", id="fast-path-gas4"),
     pytest.param((2, 4), "any", id="walked-gas2-gas4"),
-    pytest.param((2, 4), "raw", id="walked-raw"),
-    pytest.param((3, 3), "raw", id="raw-one-factor"),
+    pytest.param((2, 4), "plain", id="walked-raw"),
+    pytest.param((3, 3), "plain", id="raw-one-factor"),
 ]
 
 

@@ -60,7 +60,7 @@ def test_handle_is_a_context_manager_that_governs_inside_and_restores_after() ->
         (a(x) * b(x)).sum().backward()
     assert not handle.active
     assert torch.autograd.backward is TORCH_BACKWARD
-    bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.25), "raw")
+    bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.25), "plain")
     assert not bad, "\n  ".join(bad)
 
 
@@ -75,25 +75,25 @@ def test_remove_is_idempotent_and_restores_torch_backward_exactly() -> None:
     assert torch.autograd.backward is TORCH_BACKWARD
     assert handle.groups == () and "removed" in repr(handle)
     (a(x) * b(x)).sum().backward()  # ungoverned again: plain gradients
-    bad = grad_mismatches(plain, _grads(a, b), {}, "raw")
+    bad = grad_mismatches(plain, _grads(a, b), {}, "plain")
     assert not bad, "\n  ".join(bad)
 
 
 def test_several_installations_add_up_and_removing_one_leaves_the_others_working() -> None:
     a, b, x = _setup()
     plain = _plain(a, b, x)
-    ha = graphscale.install(graphscale.Group(a, gas=2), unowned="raw")
-    hb = graphscale.install(graphscale.Group(b, gas=4), unowned="raw")
+    ha = graphscale.install(graphscale.Group(a, gas=2), unowned="plain")
+    hb = graphscale.install(graphscale.Group(b, gas=4), unowned="plain")
     try:
         (a(x) * b(x)).sum().backward()
-        bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.25), "raw")
+        bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.25), "plain")
         assert not bad, "both installations should apply:\n  " + "\n  ".join(bad)
         _zero(a, b)
 
         ha.remove()
         assert torch.autograd.backward is _backward.governed_backward
         (a(x) * b(x)).sum().backward()
-        bad = grad_mismatches(plain, _grads(a, b), _factors(None, 0.25), "raw")
+        bad = grad_mismatches(plain, _grads(a, b), _factors(None, 0.25), "plain")
         assert not bad, "after removing a's installation, b alone:\n  " + "\n  ".join(bad)
         _zero(a, b)
     finally:
@@ -101,21 +101,21 @@ def test_several_installations_add_up_and_removing_one_leaves_the_others_working
         hb.remove()
     assert torch.autograd.backward is TORCH_BACKWARD
     (a(x) * b(x)).sum().backward()
-    bad = grad_mismatches(plain, _grads(a, b), {}, "raw")
+    bad = grad_mismatches(plain, _grads(a, b), {}, "plain")
     assert not bad, "after the last removal, plain PyTorch:\n  " + "\n  ".join(bad)
 
 
 def test_nested_context_managers_restore_the_outer_installation() -> None:
     a, b, x = _setup()
     plain = _plain(a, b, x)
-    with graphscale.install(graphscale.Group(a, gas=2), unowned="raw"):
+    with graphscale.install(graphscale.Group(a, gas=2), unowned="plain"):
         with graphscale.install(graphscale.Group(b, gas=8)):
             (a(x) * b(x)).sum().backward()
-            bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.125), "raw")  # "raw" wins
+            bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.125), "plain")  # "plain" wins
             assert not bad, "\n  ".join(bad)
             _zero(a, b)
         (a(x) * b(x)).sum().backward()
-        bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, None), "raw")
+        bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, None), "plain")
         assert not bad, "\n  ".join(bad)
     assert torch.autograd.backward is TORCH_BACKWARD
 
@@ -142,7 +142,7 @@ def test_removed_handle_keeps_no_reference_to_modules_or_parameters() -> None:
     assert [r() for r in refs] == [None, None, None], "a removed installation kept a module or parameter alive"
 
 
-@pytest.mark.parametrize("unowned", ["any", "raw"])
+@pytest.mark.parametrize("unowned", ["any", "plain"])
 def test_tensor_backward_and_autograd_backward_are_both_governed(unowned: str) -> None:
     a, b, x = _setup()
     plain = _plain(a, b, x)

@@ -85,7 +85,7 @@ def random_case(seed: int) -> dict[str, Any]:
     raw = rng.random() < 0.3
     nested = rng.random() < 0.3
     inputs = [rng.choice(made)] if raw and rng.random() < 0.5 else []
-    state = State.of(groups, "raw" if raw else "any")
+    state = State.of(groups, "plain" if raw else "any")
     factors = {g: g.factor() for g in groups}
     base = rng.choice([0.25, 0.5]) if nested else 1.0
     carrier = base if nested else None

@@ -130,6 +130,20 @@ py::object py_of(Node* n) {
   return py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(ptr));
 }
 
+// What unowned leaves of a top-level backward must end at
+// (graphscale/_state.py UNOWNED_POLICIES, in that order).
+enum Policy : int { kAny = 0, kPlainParams = 1, kPlain = 2 };
+
+// Is `var` an nn.Parameter?  (Asks Python: only for unowned leaves.)
+bool is_parameter(const at::Tensor& var, py::handle param_type) {
+  PyObject* obj = THPVariable_Wrap(var);
+  if (obj == nullptr) throw py::error_already_set();
+  int isparam = PyObject_IsInstance(obj, param_type.ptr());
+  Py_DECREF(obj);
+  if (isparam < 0) throw py::error_already_set();
+  return isparam != 0;
+}
+
 }  // namespace
 
 // Owned leaves of the installed groups: TensorImpl* -> group position.
@@ -168,8 +182,30 @@ struct NativePlan {
   // the same owners, factors, policy and checkpoint hint.
   py::object owners;  // the Owners object
   std::vector<double> factors;
-  bool raw = false;
+  int policy = kAny;
   py::object hint;
+  // What the backward reached: owned leaves, and per group position whether
+  // any of its leaves; unowned nn.Parameter leaves (counted where the policy
+  // or a nested backward asks; their discovery positions).
+  int64_t owned_leaves = 0;
+  int64_t custom_nodes = 0;  // custom-Function nodes: they may run a nested backward over hidden leaves
+  std::vector<char> reached;
+  std::vector<int64_t> unowned_param_pos;
+
+  py::list groups_reached() const {
+    py::list out;
+    for (size_t g = 0; g < reached.size(); ++g)
+      if (reached[g]) out.append(static_cast<int64_t>(g));
+    return out;
+  }
+
+  py::list unowned_parameters() const {
+    py::list out;
+    for (int64_t o : unowned_param_pos)
+      out.append(py::reinterpret_steal<py::object>(
+          THPVariable_Wrap(static_cast<AccumulateGrad*>(found[o])->variable)));
+    return out;
+  }
 
   py::object phi_of(py::handle obj) const {
     Node* n = node_of(obj.ptr());
@@ -200,7 +236,7 @@ struct Request {
   double base = 1.0;                     // potential the seeds already carry
   bool nested = false;                   // a carrier is given (nested backward)
   double carrier = 0.0;                  // pin of unseen unowned non-Parameter leaves when nested
-  bool raw = false;                      // unowned leaves pinned to 1
+  int policy = kAny;                     // Policy: which unowned leaves are pinned to 1
   py::handle param_type;                 // torch.nn.Parameter
   std::vector<Node*> extra_nodes;        // more pins (non-leaf inputs=), null where no node
   std::vector<double> extra_values;
@@ -258,7 +294,8 @@ class Planner {
   void run(const std::vector<Node*>& root_nodes, size_t index_guess) {
     P.owners = R.owners_obj;
     P.factors = R.factors;
-    P.raw = R.raw;
+    P.policy = R.policy;
+    P.reached.assign(R.factors.size(), 0);
     P.hint = R.hint;
     P.base = R.base;
     discover(root_nodes, index_guess);
@@ -340,19 +377,19 @@ class Planner {
     P.num_nodes = n_;
   }
 
-  // The pin of an unowned leaf (NOTE [ Unowned leaves in nested backward ]), if any.
-  bool unowned_pin(Node* leaf, const at::Tensor& var, double* v) const {
-    if (R.has_outer() && R.seen_phi(leaf, v)) return true;
+  // The pin of an unowned leaf (NOTE [ Unowned leaves in nested backward ];
+  // NOTE [ Unowned leaves ] in graphscale/_state.py), if any; counts it when
+  // it is an nn.Parameter.
+  bool unowned_pin(int32_t o, const at::Tensor& var, double* v) {
+    if (R.has_outer() && R.seen_phi(P.found[o], v)) return true;
+    if (R.policy == kAny && !R.nested) return false;
+    const bool param = is_parameter(var, R.param_type);
+    if (param) P.unowned_param_pos.push_back(o);
     if (R.nested) {
-      PyObject* obj = THPVariable_Wrap(var);
-      if (obj == nullptr) throw py::error_already_set();
-      int isparam = PyObject_IsInstance(obj, R.param_type.ptr());
-      Py_DECREF(obj);
-      if (isparam < 0) throw py::error_already_set();
-      *v = isparam ? 1.0 : R.carrier;
+      *v = param ? 1.0 : R.carrier;
       return true;
     }
-    if (R.raw) {
+    if (R.policy == kPlain || param) {
       *v = 1.0;
       return true;
     }
@@ -383,7 +420,9 @@ class Planner {
     const bool want_hint = !R.hint.is_none();
     for (int32_t o = 0; o < n; ++o) {
       if (!S.is_leaf[o]) {
-        if (want_hint && is_py_node(found[o])) {
+        if (!is_py_node(found[o])) continue;
+        ++P.custom_nodes;
+        if (want_hint) {
           py::object v = R.hint(py_of(found[o]));
           if (!v.is_none()) {
             pin_kind[o] = 2;
@@ -397,7 +436,9 @@ class Planner {
       double v;
       if (it != R.owners->group_of.end()) {
         v = R.factors.at(it->second);
-      } else if (!unowned_pin(found[o], var, &v)) {
+        ++P.owned_leaves;
+        P.reached[it->second] = 1;
+      } else if (!unowned_pin(o, var, &v)) {
         continue;
       }
       pin_kind[o] = 1;
@@ -604,7 +645,7 @@ static NativePlan plan_core(py::object roots, const std::vector<Node*>& root_nod
 // (node -> potential or None), or a list of the enclosing NativePlans,
 // innermost last.
 static NativePlan plan(const py::list& roots, py::object owners, const std::vector<double>& factors,
-                       double base, py::object carrier, bool raw, py::object param_type,
+                       double base, py::object carrier, int policy, py::object param_type,
                        const py::list& extra_nodes, const std::vector<double>& extra_values,
                        py::object outer_phi, py::object hint) {
   if (extra_nodes.size() != extra_values.size()) throw std::invalid_argument("graphscale: extra pins sizes differ");
@@ -615,7 +656,8 @@ static NativePlan plan(const py::list& roots, py::object owners, const std::vect
   req.base = base;
   req.nested = !carrier.is_none();
   req.carrier = req.nested ? carrier.cast<double>() : 0.0;
-  req.raw = raw;
+  if (policy < kAny || policy > kPlain) throw std::invalid_argument("graphscale: unknown unowned policy");
+  req.policy = policy;
   req.param_type = param_type;
   for (size_t k = 0; k < extra_nodes.size(); ++k) req.extra_nodes.push_back(node_of(extra_nodes[k].ptr()));
   req.extra_values = extra_values;
@@ -699,7 +741,7 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
     req.factors = op->factors;
     req.base = req.carrier = op->phi_disc[i];
     req.nested = true;
-    req.raw = op->raw;
+    req.policy = op->policy;
     req.param_type = param_type;
     req.outer_plans = &outer_plans;
     req.outer_phi = py::none();
@@ -709,6 +751,65 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
     return py::make_tuple(static_cast<int64_t>(m - 1 - q), py::cast(std::move(P)));
   }
   return py::none();
+}
+
+// Before the fast path (NOTE [ Fast path ] in graphscale/_backward.py): does a
+// backward of `roots` reach an owned leaf, and may it skip planning?  A
+// breadth-first walk that stops as soon as the answer is known: at the first
+// owned leaf under unowned="any"; under "plain_params" once an owned leaf and
+// an unowned nn.Parameter are both seen (else it walks everything); under
+// "plain" once an owned leaf and any unowned leaf are.  A custom-Function node
+// may run a nested backward over leaves no walk can see (reentrant
+// checkpointing): under "plain_params" and "plain" it means plan (nested
+// plans see them), under "any" it keeps "no owned leaf" from being concluded.
+// Returns 0: no owned leaf (the backward is left alone), 1: the fast path is
+// exact, 2: plan.
+static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::handle param_type) {
+  const Owners& owners = owners_obj.cast<const Owners&>();
+  static thread_local NodeIndex index;
+  static thread_local std::vector<Node*> found;
+  static thread_local size_t last = 0;
+  std::vector<Node*> root_nodes;
+  std::vector<c10::intrusive_ptr<Node>> leaf_roots;
+  if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
+  index.reserve(last);
+  found.clear();
+  bool ins, owned = false, unowned = false, hidden = false;
+  for (Node* r : root_nodes) {
+    if (r == nullptr) continue;
+    index.get_or_insert(r, static_cast<int64_t>(found.size()), &ins);
+    if (ins) found.push_back(r);
+  }
+  int result = -1;
+  for (size_t i = 0; i < found.size() && result < 0; ++i) {
+    Node* node = found[i];
+    const auto& next = node->next_edges();
+    if (next.empty() && is_accumulate_grad(node)) {
+      const auto& var = static_cast<AccumulateGrad*>(node)->variable;
+      if (owners.group_of.count(var.unsafeGetTensorImpl())) {
+        owned = true;
+        if (policy == kAny) result = 1;
+      } else if (policy == kPlain || (policy == kPlainParams && is_parameter(var, param_type))) {
+        unowned = true;
+      }
+      if (owned && unowned) result = 2;
+      continue;
+    }
+    if (is_py_node(node)) {
+      hidden = true;
+      if (policy != kAny) result = 2;
+    }
+    for (const auto& e : next) {
+      Node* nxt = e.function.get();
+      if (nxt == nullptr) continue;
+      index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
+      if (ins) found.push_back(nxt);
+    }
+  }
+  last = found.size();
+  found.clear();
+  if (result >= 0) return result;
+  return owned ? 1 : (hidden ? 2 : 0);
 }
 
 // Node count only (for benchmarks and tests): the same walk, no plan.
@@ -743,9 +844,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("num_nodes", &NativePlan::num_nodes)
       .def_readonly("multiplications", &NativePlan::multiplications)
       .def_readonly("base", &NativePlan::base)
+      .def_readonly("owned_leaves", &NativePlan::owned_leaves)
+      .def_readonly("custom_nodes", &NativePlan::custom_nodes)
+      .def_property_readonly("unowned_params", [](const NativePlan& p) { return static_cast<int64_t>(p.unowned_param_pos.size()); })
+      .def("groups_reached", &NativePlan::groups_reached)
+      .def("unowned_parameters", &NativePlan::unowned_parameters)
       .def("hooks", &NativePlan::hooks)
       .def("phi_of", &NativePlan::phi_of);
   m.def("plan", &plan);
   m.def("nested_plan", &nested_plan);
+  m.def("probe", &probe);
   m.def("count_nodes", &count_nodes);
 }
