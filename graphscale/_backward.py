@@ -637,8 +637,9 @@ def _apply_plan(
         seeds = grads
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
-            "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s",
+            "graphscale: walked %d nodes (%s walker) in %.1f us, %d multiplication(s), factors %s%s",
             plan.num_nodes,
+            "python" if isinstance(plan, _PyApplied) else "native",
             (time.perf_counter() - t0) * 1e6,
             plan.multiplications,
             sorted({f"{g.name}={f:g}" for g, f in factors.items()}),

@@ -184,6 +184,7 @@ def install(*groups: Any, unowned: str = "any") -> Installation:
         raise ValueError(f"graphscale: install(unowned=...) must be one of {UNOWNED_POLICIES}, got {unowned!r}.")
     if not groups:
         raise ValueError("graphscale: install() needs at least one Group or DeepSpeed engine.")
+    _native.prepare()  # NOTE [ No backward waits for a compiler ]: cached load, or a background build
     with _lock:
         detachers: list[Any] = []
         try:
