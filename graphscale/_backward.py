@@ -637,13 +637,13 @@ def _apply_plan(
         seeds = grads
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
-            "graphscale: walked %d nodes (%s walker) in %.1f us, %d multiplication(s), factors %s%s",
+            "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, %s walker",
             plan.num_nodes,
-            "python" if isinstance(plan, _PyApplied) else "native",
             (time.perf_counter() - t0) * 1e6,
             plan.multiplications,
             sorted({f"{g.name}={f:g}" for g, f in factors.items()}),
             f", nested at base {base:g}" if nested else "",
+            "python" if isinstance(plan, _PyApplied) else "native",
         )
     handles = []
     entry = _Active(plan, factors, state)

@@ -49,7 +49,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 __all__ = [
     "CACHE_ENV",
@@ -158,8 +158,9 @@ def import_built(path: str) -> Any:
 
 
 @contextmanager
-def _exclusive(path: str) -> Iterator[None]:
-    """Hold an ``flock`` on ``path``; released by the kernel if this process dies."""
+def _exclusive(path: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an ``flock`` on ``path``; released by the kernel if this process
+    dies.  ``on_wait`` is called first if another process holds it."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: builders duplicate work
@@ -168,7 +169,14 @@ def _exclusive(path: str) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass
         except OSError:  # a file system without locks: duplicate work, same result
             pass
         yield
@@ -196,18 +204,20 @@ def summarize(text: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def build(force: bool = False, source: str = SOURCE) -> Built:
+def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None] | None = None) -> Built:
     """Build ``source`` into the cache (or find it built); NOTE [ Native walker cache ].
 
     Runs once per process at most (torch renames a second build of one name
     in one process): the CLI and the background build are fresh processes.
-    Raises :class:`BuildError` when the compiler fails, ``OSError`` when the
-    cache cannot be written.
+    ``on_wait`` is called if another process is building the same key (this
+    one then waits for it and, usually, finds its build).  Raises
+    :class:`BuildError` when the compiler fails, ``OSError`` when the cache
+    cannot be written.
     """
     directory = key_dir(source)
     target = built_path(directory)
     os.makedirs(directory, exist_ok=True)
-    with _exclusive(os.path.join(directory, "lock")):
+    with _exclusive(os.path.join(directory, "lock"), on_wait):
         if not force and os.path.exists(target):
             t0 = time.perf_counter()
             try:
@@ -271,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
     try:
-        built = build(force=args.force)
+        def waiting() -> None:
+            if not args.quiet:
+                print("graphscale: another process is building the native walker; waiting for it", flush=True)
+
+        built = build(force=args.force, on_wait=waiting)
     except BuildError as exc:
         where = f" (full output: {exc.log})" if exc.log else ""
         print(f"{FAILED}{exc.summary}{where}. Fix: {FIX}.", file=sys.stderr)
