@@ -95,7 +95,7 @@ def prepare() -> Any:
 
             raise GraphscaleError(
                 f"graphscale: {WALKER_ENV}=native but the native walker could not be built: {_failed}. "
-                f"Fix: {_build.FIX}; or set {WALKER_ENV}=auto to fall back to it."
+                f"Fix: {_build.FIX}; or set {WALKER_ENV}=auto to train on the Python walker when it fails."
             )
     return _module
 

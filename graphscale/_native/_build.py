@@ -32,7 +32,7 @@ the build and compiles nothing.  Where the file system has no locks, builders
 duplicate the work and the last rename wins (the builds are identical).
 
 Loading: import the cached library directly (``ExtensionFileLoader``), without
-a compiler, ninja or any lock: about 10 ms.
+a compiler, ninja or any lock: about 2 ms.
 """
 from __future__ import annotations
 
@@ -196,11 +196,13 @@ def _remove_stale_builds(directory: str) -> None:
 
 
 def summarize(text: str) -> str:
-    """One line out of a compiler's output: the first error, else the last line."""
+    """One line out of a build's output: the compiler's first ``error:``, else
+    the first line mentioning an error, else the last line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in lines:
-        if "error" in ln.lower() and not ln.lower().startswith("ninja: build stopped"):
-            return ln[:300]
+    for marker in ("error:", "error"):
+        for ln in lines:
+            if marker in ln.lower() and not ln.lower().startswith("ninja: build stopped"):
+                return ln[:300]
     return lines[-1][:300] if lines else "no output"
 
 
@@ -216,6 +218,7 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
     """
     directory = key_dir(source)
     target = built_path(directory)
+    failure_log = os.path.join(directory, "build-failure.log")
     os.makedirs(directory, exist_ok=True)
     with _exclusive(os.path.join(directory, "lock"), on_wait):
         if not force and os.path.exists(target):
@@ -240,11 +243,10 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
                     verbose=False,
                 )
             except Exception as exc:  # no compiler, no ninja, no headers, a torch whose internals moved
-                text = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
-                log: str | None = os.path.join(directory, "build-failure.log")
+                log: str | None = failure_log
                 try:
-                    with open(os.path.join(directory, "build-failure.log"), "w") as f:
-                        f.write(text)
+                    with open(failure_log, "w") as f:
+                        f.write(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}")
                 except OSError:
                     log = None
                 raise BuildError(f"{type(exc).__name__}: {summarize(str(exc))}", log) from exc
@@ -255,7 +257,7 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
             shutil.copyfile(module.__file__, partial)
             os.replace(partial, target)
             with suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, "build-failure.log"))  # an earlier failure's, now stale
+                os.remove(failure_log)  # an earlier failure's, now stale
             return Built(target, seconds, False)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
