@@ -1,6 +1,8 @@
-"""``python -m graphscale demo``: the command line.
+"""``python -m graphscale demo`` and ``python -m graphscale build``: the command line.
 
-The only place in graphscale that prints; the library itself logs.
+The only place in graphscale that prints (with ``graphscale/_native/_build.py``'s
+``main``, which ``build`` runs, and the background build too); the library
+itself logs.
 """
 from __future__ import annotations
 
@@ -16,7 +18,19 @@ def main(argv: list[str] | None = None) -> int:
         help="run the graph shapes where DeepSpeed's GAS scaling goes wrong, with DeepSpeed alone and with "
         "graphscale, on small CPU engines, and print the gradient errors against a plain-PyTorch oracle",
     )
-    args = parser.parse_args(argv)
+    sub.add_parser(
+        "build",
+        help="build the native walker into graphscale's cache now (or report the cached build) and print "
+        "where and how long; for Dockerfiles and CI, so that no run starts on the Python walker",
+        add_help=False,
+    )
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "build":
+        from ._native import _build
+
+        return _build.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         import importlib.util
 

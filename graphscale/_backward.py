@@ -326,11 +326,12 @@ def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, t0: float, c
             return call.run(entry.state)
     # else nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ])
     if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(
-            "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s",
+        _log.debug(  # the walker last: tests/test_native_walker.py reads it
+            "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, %s walker",
             plan.num_nodes, (time.perf_counter() - t0) * 1e6, multiplications,
             sorted({f"{g.name}={f:g}" for g, f in entry.factors.items()}),
             f", nested at base {plan.base:g}" if plan.base != 1.0 else "",
+            "python" if isinstance(plan, _planning.PyPlan) else "native",
         )
     handles = []
     try:

@@ -167,6 +167,7 @@ def install(*groups: Any, unowned: str = "plain_params") -> Installation:
     _state.check_policy(unowned, "install")
     if not groups:
         raise ValueError("graphscale: install() needs at least one Group or DeepSpeed engine.")
+    _native.prepare()  # NOTE [ No backward waits for a compiler ]: cached load, or a background build
     with _lock:
         detachers: list[Any] = []
         try:

@@ -31,6 +31,21 @@ except Exception:  # pragma: no cover - depends on the environment
 require_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_walker_ready() -> None:
+    """Wait once, before the first test, for the native walker (unless
+    GRAPHSCALE_WALKER=python).  On a machine whose graphscale cache is empty
+    (CI) install() starts a background build and plans with Python until it
+    lands (NOTE [ No backward waits for a compiler ] in graphscale/_native);
+    waiting here makes every test run on the walker a long run uses, never on
+    the fallback by accident of timing.  A failed build is logged and the
+    native tests skip (CI then fails on its own check)."""
+    from graphscale import _native
+
+    if _native.walker_choice() != "python":
+        _native.wait()
+
+
 @pytest.fixture(autouse=True)
 def _no_installation_leaks() -> Any:
     """Every test must leave torch exactly as it found it."""

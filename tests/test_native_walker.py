@@ -1,12 +1,19 @@
 """The native walker (graphscale/_native) makes the same plan as the Python
 reference (graphscale/_walk.py + graphscale/_plan.py), and graphscale keeps
-working, exactly, with the Python walker forced or as the fallback.
+working, exactly, with the Python walker forced or as the fallback (a build
+that fails: one warning, the Python walker, exact gradients).
 
-Native checks skip cleanly where the extension cannot be compiled."""
+Native checks skip cleanly where the extension cannot be compiled (CI fails
+on its own check then).  tests/test_packaging.py covers the wheel, the
+background build and the cache."""
 from __future__ import annotations
 
-import logging
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,11 +26,14 @@ import graphscale
 from graphscale import _native, _planning
 from graphscale._state import State
 from graphscale._errors import GraphscaleError
+from graphscale._native import _build
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def native() -> Any:
-    mod = _native.load() if _native.walker_choice() != "python" else None
+    mod = _native.wait()  # the background build, if the cache was empty (None under GRAPHSCALE_WALKER=python)
     if mod is None:
         pytest.skip("the native walker cannot be compiled here (or GRAPHSCALE_WALKER=python)")
     return mod
@@ -199,17 +209,57 @@ def test_governed_backward_exact_with_either_walker(monkeypatch: pytest.MonkeyPa
     _nested_exact(monkeypatch, walker)
 
 
+def test_walker_published_during_a_backward_keeps_it_exact(
+    native: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The background build can land at any moment, e.g. between a backward's
+    plan (Python) and the backwards nested in it (reentrant checkpointing):
+    the nested ones are then planned natively under a Python outer plan."""
+    import logging
+    import re
+
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(_native, "_module", None)  # as while building: load() gives None
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def loss_fn(publish: bool) -> torch.Tensor:
+        h = checkpoint(a, x, use_reentrant=True)
+        if publish:  # runs in the outer backward, before a's checkpoint replays a's forward
+            h.register_hook(lambda g: setattr(_native, "_module", native))
+        return checkpoint(b, h.tanh(), use_reentrant=True).sum() + a(x).sum()
+
+    loss_fn(False).backward()
+    want = [p.grad.clone() / 2 for p in a.parameters()] + [p.grad.clone() / 4 for p in b.parameters()]
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = None
+    with caplog.at_level(logging.DEBUG, logger="graphscale"):
+        with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(b, gas=4)):
+            loss_fn(True).backward()
+    walkers = [m.group(1) for r in caplog.records if (m := re.search(r"walked \d+ nodes .*, (\w+) walker$", r.getMessage()))]
+    # the outer plan, b's nested plan (before the hook), a's nested plan (after it)
+    assert walkers == ["python", "python", "native"], walkers
+    got = [p.grad for p in [*a.parameters(), *b.parameters()]]
+    errs = [(g - w).abs().max().item() for g, w in zip(got, want)]
+    assert max(errs) < 1e-6, errs
+
+
 def test_forcing_python_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_native.WALKER_ENV, "python")
     monkeypatch.setattr(_native, "_module", None)
-    monkeypatch.setattr(_native, "_failed", None)
+    monkeypatch.setattr(_native, "_started", False)
 
     def boom(*a: Any, **k: Any) -> None:
-        raise AssertionError("compiled although GRAPHSCALE_WALKER=python")
+        raise AssertionError("built or loaded the native walker although GRAPHSCALE_WALKER=python")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", boom)
-    assert _native.load() is None
+    monkeypatch.setattr(_native, "_start_build", boom)
+    monkeypatch.setattr(_build, "import_built", boom)
+    assert _native.load() is None and _native.prepare() is None and _native.wait() is None
+    assert _native.status() == "disabled"
     _nested_exact(monkeypatch, "python")
+    assert not _native._started
 
 
 def test_bad_walker_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,25 +268,101 @@ def test_bad_walker_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
         _native.walker_choice()
 
 
-def test_compile_failure_falls_back_and_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
-    import torch.utils.cpp_extension as cpp_extension
+def test_an_edited_walker_source_gets_its_own_build(tmp_path: Path) -> None:
+    """The cache key hashes walker.cpp's bytes: an edit never loads a stale build."""
+    edited = tmp_path / "walker.cpp"
+    edited.write_bytes(Path(_build.SOURCE).read_bytes() + b"\n// edited\n")
+    same = tmp_path / "same.cpp"
+    same.write_bytes(Path(_build.SOURCE).read_bytes())
+    assert _build.cache_key(str(edited)) != _build.cache_key()
+    assert _build.cache_key(str(same)) == _build.cache_key()
+    assert torch.__version__.replace("-", "_") in _build.cache_key()
 
-    monkeypatch.setattr(_native, "_module", None)
-    monkeypatch.setattr(_native, "_failed", None)
-    calls = []
 
-    def fail(*a: Any, **k: Any) -> None:
-        calls.append(1)
-        raise RuntimeError("no compiler here")
+# A failed build, in a process of its own with an empty cache: CXX=/bin/false
+# makes torch's compiler check fail, as on a machine without a compiler.
+_FAILED_BUILD_SCRIPT = r"""
+import json, logging, re
+import torch
+import graphscale
+from graphscale import _native
+from graphscale._errors import GraphscaleError
 
-    monkeypatch.setattr(cpp_extension, "load", fail)
-    monkeypatch.setenv(_native.WALKER_ENV, "auto")
-    with caplog.at_level(logging.INFO, logger="graphscale"):
-        assert _native.load() is None
-        assert _native.load() is None
-        _nested_exact(monkeypatch, "auto")
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "Python walker" in r.getMessage()]
-    assert len(calls) == 1 and len(warnings) == 1, (calls, [r.getMessage() for r in caplog.records])
-    monkeypatch.setenv(_native.WALKER_ENV, "native")
-    with pytest.raises(GraphscaleError, match="could not be built"):
-        _native.load()
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append((record.levelno, record.getMessage()))
+log = logging.getLogger("graphscale")
+log.setLevel(logging.DEBUG)
+log.addHandler(Keep())
+
+torch.manual_seed(0)
+a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+x = torch.randn(2, 3)
+def loss():
+    h = a(x)
+    return b(h.tanh()).sum() + h.sum()  # b's gradient flows through a: a mixed-factor graph
+params = [*a.parameters(), *b.parameters()]
+plain = torch.autograd.grad(loss(), params)
+want = [g / 2 for g in plain[:2]] + [g / 4 for g in plain[2:]]
+out = {"file": graphscale.__file__, "errors": []}
+try:
+    for _ in range(2):  # a second install() after the failure must not warn again
+        with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(b, gas=4)):
+            for _ in range(2):  # the first maybe while the build still runs, the second after it failed
+                loss().backward()
+                out["errors"].append(max(float((p.grad - w).abs().max()) for p, w in zip(params, want)))
+                for p in params:
+                    p.grad = None
+                out["waited"] = repr(_native.wait(timeout=600))
+except GraphscaleError as exc:
+    out["raised"] = str(exc)
+out["status"] = _native.status()
+out["walkers"] = [m.group(1) for lv, msg in records if (m := re.search(r"walked \d+ nodes .*, (\w+) walker$", msg))]
+out["warnings"] = [msg for lv, msg in records if lv >= logging.WARNING]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("walker", ["auto", "native"])
+def test_failed_build_falls_back_to_python_with_one_warning(tmp_path: Path, walker: str) -> None:
+    """auto: every backward exact on the Python walker, one warning naming the
+    cause and the fix; native: install() raises instead."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CXX": "/bin/false", _build.CACHE_ENV: str(tmp_path / "cache"),
+           _native.WALKER_ENV: walker, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _FAILED_BUILD_SCRIPT], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["file"].startswith(str(REPO)), out["file"]
+    assert out["status"].startswith("failed: ") and "/bin/false" in out["status"], out["status"]
+    assert len(out["warnings"]) == 1, out["warnings"]
+    warning = out["warnings"][0]
+    for needed in ("could not be built", "/bin/false", "Python walker", "g++", "GRAPHSCALE_WALKER=python"):
+        assert needed in warning, (needed, warning)
+    if walker == "auto":
+        assert out["waited"] == "None"
+        assert len(out["errors"]) == 4 and max(out["errors"]) < 1e-6, out["errors"]
+        assert out["walkers"] == ["python"] * 4, out["walkers"]
+    else:
+        assert "could not be built" in out["raised"] and "/bin/false" in out["raised"], out["raised"]
+        assert out["errors"] == [] and out["walkers"] == []
+
+
+def test_build_command_reports_the_cached_build(native: Any) -> None:
+    """``python -m graphscale build`` (a Dockerfile's RUN): exit 0 and the path."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "graphscale", "build"], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr
+    assert "already built" in run.stdout and _build.built_path(_build.key_dir()) in run.stdout, run.stdout
+
+
+def test_build_command_fails_with_exit_code_1_and_the_fix(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CXX": "/bin/false", _build.CACHE_ENV: str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "graphscale", "build"], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(_build.FAILED) and "/bin/false" in line and "Fix: install a C++ compiler" in line, line
+    assert not list(tmp_path.glob("*/*.so")) and list(tmp_path.glob("*/build-failure.log"))
