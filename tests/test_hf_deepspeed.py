@@ -13,17 +13,6 @@ generations ] in graphscale/_deepspeed.py), so a graphscale that did nothing
 would fail every case listed there.  ``GRAPHSCALE_DS_REPORT=path`` appends the
 measured errors as JSON lines.
 
-# NOTE [ Why DeepSpeed alone divides several times on HF outputs ]
-# DeepSpeed <= 0.19.5, and >= 0.19.6 under a direct ``loss.backward()``,
-# divides by GAS at a hook on every tensor of the engine's output, and a HF
-# ``ModelOutput`` is a dict whose tensors lie on one path: ``loss`` is made
-# from ``logits``, and ``logits`` from ``hidden_states[-1]``.  A gradient that
-# crosses k hooked tensors is divided k times: ``engine(input_ids=x,
-# labels=x).loss`` at GAS 4 gives 1/16, not 1/4.  At ZeRO-3 the engine's
-# module returns its outputs through ZeRO-3's own autograd Function, so the
-# hooked ``logits`` is a copy that ``loss`` does not depend on: one division,
-# exact for that shape.
-
 The cases are a covering set, not the cross product (the file must stay
 well under two minutes on two cores): every shape, model variant, ZeRO stage,
 dtype and backward style appears, and the pairs that interact are combined
@@ -49,6 +38,21 @@ pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
 
 import _hf  # noqa: E402  (after the skip: its builders import transformers)
+
+# NOTE [ Why DeepSpeed alone divides several times on HF outputs ]
+# DeepSpeed <= 0.19.5, and >= 0.19.6 under a direct ``loss.backward()``,
+# divides by GAS at a hook on every tensor of the engine's output, and a HF
+# ``ModelOutput`` is a dict whose tensors lie on one path: ``loss`` is made
+# from ``logits``, and ``logits`` from ``hidden_states[-1]``.  A gradient that
+# crosses k hooked tensors is divided k times: ``engine(input_ids=x,
+# labels=x).loss`` at GAS 4 gives 1/16, not 1/4 (ZeRO 1 and 2; both
+# generations under loss.backward(), <= 0.19.5 under engine.backward()), and a
+# critic reading ``hidden_states[-1]`` divides the actor's share once more.
+# At ZeRO-3 a forward hook re-emits every output tensor through ZeRO-3's own
+# autograd Function (PreBackwardFunctionForModule), so the hooked ``logits``
+# is a new tensor that the (equally re-emitted) ``loss`` does not depend on:
+# one division, exact for that shape (measured: loss's graph does not reach
+# the returned logits' node at stage 3; it does at stage 1).
 
 FP32_TOL = 1e-6
 # bf16 engines against a float32 oracle.  test_deepspeed_shapes.py allows 3e-2
