@@ -37,7 +37,7 @@ def gpt2_config() -> GPT2Config:
 
     return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
-                      use_cache=False, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
+                      use_cache=False, bos_token_id=0, eos_token_id=0)
 
 
 def tiny_lm(seed: int) -> GPT2LMHeadModel:
