@@ -31,6 +31,15 @@ governed by ``graphscale.install(actor, critic)``.
 # * ``DeepSpeedOptimizerWrapper.step``/``zero_grad`` are no-ops; the engine
 #   steps inside ``accelerator.backward``.
 #
+# On CPU, one process: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+# MASTER_PORT set (ds_dist does it, and initializes gloo first); without
+# LOCAL_RANK and an initialized group, deepspeed.initialize falls back to MPI
+# discovery and fails without mpi4py.  DS_ACCELERATOR=cpu.  Not
+# ``Accelerator(cpu=True)``: that silently selects no DeepSpeed and prepare()
+# returns the plain module.  ``train_micro_batch_size_per_gpu`` must be a
+# number when no DataLoader is prepared; ``gradient_clipping`` is set to 0
+# (Accelerate fills an "auto" one with 1.0; the reference does not clip).
+#
 # DeepSpeed alone divides by the wrong GAS in the same places as without
 # Accelerate (NOTE [ DeepSpeed's two generations ] in graphscale/_deepspeed.py):
 # ``accelerator.backward`` is ``engine.backward``.  graphscale governs it
