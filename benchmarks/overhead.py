@@ -43,7 +43,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 IMPLS = ("deepspeed", "leaf-hooks", "graphscale")
 WORKLOADS = {
@@ -212,7 +212,8 @@ def make_hf_modules(layers: int, width: int, device: str) -> tuple[Any, Any]:
             hidden = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state
             return self.v_head(hidden).squeeze(-1)
 
-    return GPT2LMHeadModel(cfg).to(device).train(), Critic().to(device).train()
+    actor: Any = GPT2LMHeadModel(cfg)  # (transformers' typed .to() confuses type checkers)
+    return actor.to(device).train(), Critic().to(device).train()
 
 
 def hf_checkpointing(model: Any, on: bool) -> None:
@@ -220,7 +221,8 @@ def hf_checkpointing(model: Any, on: bool) -> None:
     default arguments (newer releases name them ``activation_checkpointing_*``
     and keep the old names as deprecated aliases)."""
     name = "enable" if on else "disable"
-    fn = getattr(model, f"activation_checkpointing_{name}", None) or getattr(model, f"gradient_checkpointing_{name}")
+    fn: Callable[[], None] = (getattr(model, f"activation_checkpointing_{name}", None)
+                              or getattr(model, f"gradient_checkpointing_{name}"))
     fn()
 
 
@@ -644,6 +646,7 @@ class Breakdown:
     per_round_us: dict[str, list[float]] = field(default_factory=dict)
     library_phases: list[dict[str, float]] = field(default_factory=list)  # per round, us, where recorded
     phases_us: dict[str, float] = field(default_factory=dict)
+    notch_us: dict[str, float] = field(default_factory=dict)  # +- of a median of paired differences
     source: str = ""
 
 
@@ -754,7 +757,9 @@ def measure_breakdown(torch: Any, graph: str, wl: Workload, rounds: int, device:
                 bd.library_phases.append({k: v * 1e6 for k, v in events.items()})
     zero_grads(wl.engines)
 
-    extra = med([g - d for g, d in zip(per["graphscale_us"], per["deepspeed_us"])])
+    extra_rounds = [g - d for g, d in zip(per["graphscale_us"], per["deepspeed_us"])]
+    extra = med(extra_rounds)
+    bd.notch_us["total (measured)"] = median_notch(extra_rounds)
     if bd.library_phases:
         bd.source = "graphscale's per-phase recorder"
         names = sorted({k for r in bd.library_phases for k in r})
@@ -767,6 +772,7 @@ def measure_breakdown(torch: Any, graph: str, wl: Workload, rounds: int, device:
             "hook reg+rm": med([a + b for a, b in zip(per["replica_register_us"], per["replica_remove_us"])]),
             "hook calls": med([r - d for r, d in zip(per["replica_backward_us"], per["deepspeed_us"])]),
         }
+        bd.notch_us["hook calls"] = median_notch([r - d for r, d in zip(per["replica_backward_us"], per["deepspeed_us"])])
     bd.phases_us["everything else"] = extra - sum(bd.phases_us.values())
     bd.phases_us["total (measured)"] = extra
     return bd
@@ -854,6 +860,12 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def median_notch(xs: list[float]) -> float:
+    """Half-width of the usual ~95 % interval of a median: 1.58 IQR / sqrt(n)."""
+    q1, q3 = quartiles(xs)
+    return 1.58 * (q3 - q1) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+
+
 def quartiles(xs: list[float]) -> tuple[float, float]:
     if len(xs) < 2:
         return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
@@ -913,7 +925,7 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.1f}GiB"
 
 
-def render(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def render(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Columns padded to width, a rule under the header."""
     lines = [head, *rows]
     widths = [max(len(str(line[c])) for line in lines) for c in range(len(head))]
@@ -964,10 +976,16 @@ def breakdown_table(fixed: dict[str, Any]) -> str:
     head = ("graph", "nodes", "seeds+hooked", "DS bwd us", "gs extra us", *names, "everything else")
     rows = []
     for b in fixed["breakdown"]:
-        ph = b["phases_us"]
+        ph, notch = b["phases_us"], b["notch_us"]
+
+        def cell(k: str) -> str:
+            if k not in ph:
+                return "-"
+            return f"{ph[k]:.0f}" + (f" +-{notch[k]:.0f}" if k in notch else "")
+
         rows.append((b["graph"], str(b["nodes"]), f"{b['seeds']}+{b['hooked_nodes']}",
-                     f"{med(b['per_round_us']['deepspeed_us']):.0f}", f"{ph['total (measured)']:.0f}",
-                     *(f"{ph[k]:.0f}" if k in ph else "-" for k in names), f"{ph['everything else']:.0f}"))
+                     f"{med(b['per_round_us']['deepspeed_us']):.0f}", cell("total (measured)"),
+                     *(cell(k) for k in names), f"{ph['everything else']:.0f}"))
     return render(head, rows)
 
 
