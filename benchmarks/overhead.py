@@ -1,10 +1,12 @@
 """graphscale overhead benchmark: the project's main job.
 
-Runs five workloads over real DeepSpeed engines (12 transformer-like blocks
-each, plain torch) at two sizes, and times the backward of three
-implementations side by side in one process, interleaved run by run:
+Runs six workloads over real DeepSpeed engines (12 transformer-like blocks
+each, plain torch) and two over engines built from a ``transformers`` GPT-2
+config (actor + value-head critic, one PPO-style loss), at two sizes, and
+times the backward of three implementations side by side in one process,
+interleaved run by run:
 
-* ``deepspeed``: DeepSpeed alone (fast, and wrong for W2, W3, W5);
+* ``deepspeed``: DeepSpeed alone (fast, and wrong wherever two engines meet);
 * ``leaf-hooks``: the obvious hand fix: a tensor hook on every parameter that
   divides its gradient by its engine's GAS, with DeepSpeed's own division
   switched off (``engine.backward(loss, scale_wrt_gas=False)``);
@@ -12,17 +14,23 @@ implementations side by side in one process, interleaved run by run:
 
 Every row also checks each implementation's gradients against a plain-PyTorch
 oracle (the same forward without engines or checkpointing, gradients times
-1/GAS of the owning engine).  See benchmarks/README.md for the columns.
+1/GAS of the owning engine).  After the table: graphscale's fixed cost per
+walked backward, split into phases, and what ``install()`` + ``remove()`` cost
+with and without ~3 million extra live Python objects.  See
+benchmarks/README.md for the rows, columns and sections.
 
-    python benchmarks/overhead.py            # default: ~10 min on 2 cores
-    python benchmarks/overhead.py --quick    # < 2 min
+    python benchmarks/overhead.py            # default: ~8 min on 2 cores (twice that on busy ones)
+    python benchmarks/overhead.py --quick    # ~2 min
     python benchmarks/overhead.py --device cuda --json out.json --plot out.png
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -33,8 +41,9 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 IMPLS = ("deepspeed", "leaf-hooks", "graphscale")
 WORKLOADS = {
@@ -43,24 +52,97 @@ WORKLOADS = {
     "W3": "nested critic(actor(x)) (GAS 2, 4)",
     "W4": "engine(x) + engine.module(y) (GAS 2)",
     "W5": "W2, every block under reentrant checkpointing",
+    "W6": "W2, every block under non-reentrant checkpointing",
+    "HF1": "transformers GPT-2 actor + value-head critic, PPO-style loss (GAS 2, 4)",
+    "HF2": "HF1 with gradient checkpointing (transformers' default use_reentrant)",
 }
-EXPECTED_MULTS = {"W1": 1, "W2": 2, "W3": 2, "W4": 1, "W5": 2}
+HF_WORKLOADS = ("HF1", "HF2")
+# Engine boundaries graphscale must multiply at: one factor in play needs one
+# (the seed); two engines with different GAS under one loss need two (the
+# seed, and the one edge where the other engine's gradient enters).
+# NOTE [ Expected multiplications ] in benchmarks/README.md.
+EXPECTED_MULTS = {"W1": 1, "W2": 2, "W3": 2, "W4": 1, "W5": 2, "W6": 2, "HF1": 2, "HF2": 2}
+# GPT-2 shapes of the real-model rows, by size label (same batch and tokens as
+# the tower rows of that label).
+HF_SHAPES = {"launch": {"layers": 2, "width": 64}, "compute": {"layers": 6, "width": 256}}
+HF_VOCAB = 2048
+EXTRA_OBJECTS = 3_000_000  # install() cost section: live objects added to the heap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few repetitions, small sizes: under 2 minutes on 2 cores")
+    ap.add_argument("--quick", action="store_true", help="few repetitions, small sizes: under 3 minutes on 2 cores")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engines run (default cpu)")
     ap.add_argument("--reps", type=int, default=None, help="timed interleaved rounds per row (default 61, half that compute-bound; quick 7)")
-    ap.add_argument("--layers", type=int, default=12, help="transformer blocks per engine (default 12)")
-    ap.add_argument("--sizes", default="32,256", help="hidden sizes, comma separated (default 32,256)")
-    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5", help="which workloads (default all)")
+    ap.add_argument("--layers", type=int, default=12, help="transformer blocks per engine in W1-W6 (default 12)")
+    ap.add_argument("--sizes", default="32,256", help="hidden sizes of W1-W6, comma separated (default 32,256); "
+                    "below 128 is launch-bound, and HF rows follow the labels (launch: GPT-2 2 layers x 64, "
+                    "compute: 6 layers x 256)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="which workloads (default all)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--no-fixed-costs", action="store_true",
+                    help="skip the sections after the table (per-backward breakdown, install() cost)")
     ap.add_argument("--json", metavar="PATH", help="write every number to PATH as JSON")
     ap.add_argument("--plot", metavar="PATH", default=None,
-                    help="PNG plot of overhead ratio vs graph nodes (default benchmarks/overhead.png)")
+                    help="PNG bar chart of the overhead ratios (default benchmarks/overhead.png)")
     ap.add_argument("--no-plot", action="store_true", help="skip the plot")
     return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- private library names
+# The benchmark reads a few private names (the walk recorder, the Python
+# planner) that the restructuring of issue 9 moves between modules; each is
+# looked up in its new home first, then its old one.  (module, attribute):
+WALK_RECORDER = (("_state", "walk_recorder"), ("_backward", "_walk_recorder"))
+# Not in the library yet: phase_recorder(phase, seconds), NOTE [ Per-backward breakdown ].
+PHASE_RECORDER = (("_state", "phase_recorder"), ("_backward", "_phase_recorder"))
+
+
+def graphscale_module(name: str) -> Any:
+    """``graphscale.<name>`` when that file is part of the graphscale package
+    this process imported, else None.  (An editable install of another
+    checkout can otherwise lend a submodule this checkout does not have.)"""
+    import graphscale
+
+    if not os.path.exists(os.path.join(os.path.dirname(graphscale.__file__), name + ".py")):
+        return None
+    return importlib.import_module(f"graphscale.{name}")
+
+
+@functools.lru_cache(maxsize=None)
+def library_home(homes: tuple[tuple[str, str], ...]) -> tuple[Any, str] | None:
+    """The first (module, attribute) of ``homes`` that exists, or None."""
+    for mod_name, attr in homes:
+        mod = graphscale_module(mod_name)
+        if mod is not None and hasattr(mod, attr):
+            return mod, attr
+    return None
+
+
+@contextlib.contextmanager
+def recorders(walk: Callable[[int, float, int], None] | None,
+              phase: Callable[[str, float], None] | None = None) -> Iterator[None]:
+    """Set graphscale's walk recorder (and its per-phase recorder, where the
+    library has one) for the duration; always unset them."""
+    pairs = [(library_home(WALK_RECORDER), walk), (library_home(PHASE_RECORDER), phase)]
+    live = [(home, fn) for home, fn in pairs if home is not None and fn is not None]
+    for (mod, attr), fn in live:
+        setattr(mod, attr, fn)
+    try:
+        yield
+    finally:
+        for (mod, attr), _ in live:
+            setattr(mod, attr, None)
+
+
+def python_planner() -> tuple[Callable[[], Any], Callable[[Any, Any, Any], Any]]:
+    """(current installed snapshot, plan(loss, state, factors)) of the Python
+    reference planner, before or after issue 9's split of _backward.py."""
+    planning, state = graphscale_module("_planning"), graphscale_module("_state")
+    if planning is not None and state is not None and hasattr(planning, "PlanRequest"):
+        return state.current, lambda loss, st, f: planning.build_plan([loss], planning.PlanRequest(st, f))
+    backward = graphscale_module("_backward")
+    return backward.current_state, lambda loss, st, f: backward.build_plan([loss], st, f)
 
 
 # ----------------------------------------------------------------------------- models
@@ -96,13 +178,13 @@ def make_model_classes() -> tuple[type, type]:
             super().__init__()
             self.inp = nn.Linear(hidden, hidden)  # not checkpointed, like an embedding
             self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
-            self.checkpointing = False  # W5 switches reentrant checkpointing on
+            self.checkpointing: str | None = None  # W5: "reentrant", W6: "non-reentrant"
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.inp(x)
             for blk in self.blocks:
                 if self.checkpointing:
-                    x = checkpoint(blk, x, use_reentrant=True)
+                    x = checkpoint(blk, x, use_reentrant=self.checkpointing == "reentrant")
                 else:
                     x = blk(x)
             return x
@@ -110,10 +192,56 @@ def make_model_classes() -> tuple[type, type]:
     return Block, Tower
 
 
+def make_hf_modules(layers: int, width: int, device: str) -> tuple[Any, Any]:
+    """A GPT-2 actor (``GPT2LMHeadModel``) and critic (``GPT2Model`` + a linear
+    value head) from one config, random init, dropout off, training mode."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
+
+    cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=128, n_embd=width, n_layer=layers, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=HF_VOCAB - 1, eos_token_id=HF_VOCAB - 1)
+
+    class Critic(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = GPT2Model(cfg)
+            self.v_head = torch.nn.Linear(width, 1)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            hidden = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state
+            return self.v_head(hidden).squeeze(-1)
+
+    actor: Any = GPT2LMHeadModel(cfg)  # (transformers' typed .to() confuses type checkers)
+    return actor.to(device).train(), Critic().to(device).train()
+
+
+def hf_checkpointing(model: Any, on: bool) -> None:
+    """``gradient_checkpointing_enable()`` / ``_disable()`` with transformers'
+    default arguments (newer releases name them ``activation_checkpointing_*``
+    and keep the old names as deprecated aliases)."""
+    name = "enable" if on else "disable"
+    fn: Callable[[], None] = (getattr(model, f"activation_checkpointing_{name}", None)
+                              or getattr(model, f"gradient_checkpointing_{name}"))
+    fn()
+
+
+def hf_use_reentrant(model: Any) -> bool | None:
+    """What the checkpointed blocks of ``model`` pass as use_reentrant (None: not set)."""
+    for m in model.modules():
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        if fn is not None:
+            return getattr(fn, "keywords", {}).get("use_reentrant")
+    return None
+
+
 # ----------------------------------------------------------------------------- set-up
-def quiet_deepspeed() -> None:
-    for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
+def quiet_libraries() -> None:
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")
+    warnings.filterwarnings("ignore", message=".*use_cache=True.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def init_dist(device: str) -> None:
@@ -155,7 +283,7 @@ class Size:
     hidden: int
     batch: int
     seq: int
-    label: str
+    label: str  # "launch" or "compute"
 
 
 @dataclass
@@ -163,6 +291,7 @@ class Row:
     workload: str
     size: str
     hidden: int
+    layers: int
     nodes: int = 0
     times: dict[str, list[float]] = field(default_factory=lambda: {i: [] for i in IMPLS})
     ratios: dict[str, list[float]] = field(default_factory=lambda: {i: [] for i in IMPLS})
@@ -173,6 +302,7 @@ class Row:
     mults: list[int] = field(default_factory=list)
     leaf_hooks: int = 0
     py_walk_ns: float = float("nan")
+    wall_s: float = 0.0  # the whole row: oracle, rounds, memory
 
 
 # ----------------------------------------------------------------------------- memory
@@ -206,49 +336,101 @@ def peak_tensor_bytes(run: Callable[[], None], device: str) -> int:
 
 
 # ----------------------------------------------------------------------------- workloads
-def build_workloads(torch: Any, actor: Any, critic: Any) -> dict[str, dict[str, Any]]:
-    """Each workload: engines (installed / hooked), the engine whose backward
-    runs, and loss(x, y, plain) -> scalar; plain=True is the oracle's forward
-    (modules called directly, no checkpointing)."""
+@dataclass
+class Workload:
+    """One row's graph.
 
-    def w1(x: Any, y: Any, plain: bool) -> Any:
-        return (actor.module(x) if plain else actor(x)).pow(2).mean()
+    ``batch(gen)`` makes fresh inputs for one run; ``loss(batch, plain)`` runs
+    the forward and returns a scalar (``plain=True``: the oracle's forward,
+    through the bare modules, no engine); ``checkpoint(on)`` switches this
+    row's activation checkpointing on or off (the oracle runs with it off);
+    ``caller.backward(loss)`` is the backward that is timed."""
 
-    def w2(x: Any, y: Any, plain: bool) -> Any:
-        a = actor.module(x) if plain else actor(x)
-        c = critic.module(x) if plain else critic(x)
-        return a.pow(2).mean() + c.pow(2).mean()
+    engines: tuple[Any, ...]
+    caller: Any
+    loss: Callable[[tuple[Any, ...], bool], Any]
+    batch: Callable[[Any], tuple[Any, ...]]
+    checkpoint: Callable[[bool], None] = lambda on: None
 
-    def w3(x: Any, y: Any, plain: bool) -> Any:
-        return (critic.module(actor.module(x)) if plain else critic(actor(x))).pow(2).mean()
 
-    def w4(x: Any, y: Any, plain: bool) -> Any:
-        a = actor.module(x) if plain else actor(x)
-        return a.pow(2).mean() + actor.module(y).pow(2).mean()
+def tower_workloads(torch: Any, actor: Any, critic: Any, size: Size, device: str) -> dict[str, Workload]:
+    shape = (size.batch, size.seq, size.hidden)
 
+    def batch(gen: Any) -> tuple[Any, ...]:
+        return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+
+    def fwd(engine: Any, plain: bool) -> Any:
+        return engine.module if plain else engine
+
+    def w1(b: tuple[Any, ...], plain: bool) -> Any:
+        return fwd(actor, plain)(b[0]).pow(2).mean()
+
+    def w2(b: tuple[Any, ...], plain: bool) -> Any:
+        return fwd(actor, plain)(b[0]).pow(2).mean() + fwd(critic, plain)(b[0]).pow(2).mean()
+
+    def w3(b: tuple[Any, ...], plain: bool) -> Any:
+        return fwd(critic, plain)(fwd(actor, plain)(b[0])).pow(2).mean()
+
+    def w4(b: tuple[Any, ...], plain: bool) -> Any:
+        return fwd(actor, plain)(b[0]).pow(2).mean() + actor.module(b[1]).pow(2).mean()
+
+    def checkpointing(mode: str) -> Callable[[bool], None]:
+        def switch(on: bool) -> None:
+            for e in (actor, critic):
+                e.module.checkpointing = mode if on else None
+
+        return switch
+
+    one, two = (actor,), (actor, critic)
     return {
-        "W1": dict(engines=(actor,), caller=actor, loss=w1, ckpt=False),
-        "W2": dict(engines=(actor, critic), caller=actor, loss=w2, ckpt=False),
-        "W3": dict(engines=(actor, critic), caller=actor, loss=w3, ckpt=False),
-        "W4": dict(engines=(actor,), caller=actor, loss=w4, ckpt=False),
-        "W5": dict(engines=(actor, critic), caller=actor, loss=w2, ckpt=True),
+        "W1": Workload(one, actor, w1, batch),
+        "W2": Workload(two, actor, w2, batch),
+        "W3": Workload(two, actor, w3, batch),
+        "W4": Workload(one, actor, w4, batch),
+        "W5": Workload(two, actor, w2, batch, checkpointing("reentrant")),
+        "W6": Workload(two, actor, w2, batch, checkpointing("non-reentrant")),
     }
 
 
-def set_checkpointing(engines: Any, on: bool) -> None:
-    for e in engines:
-        e.module.checkpointing = on
+def hf_workloads(torch: Any, actor: Any, critic: Any, size: Size, device: str) -> dict[str, Workload]:
+    """PPO-style: the actor's clipped policy term on its log-probabilities of
+    the tokens with fixed advantages (first epoch: the old policy is this one,
+    detached), plus the critic's squared value error against fixed returns."""
+    b, t = size.batch, size.seq
+
+    def batch(gen: Any) -> tuple[Any, ...]:
+        ids = torch.randint(0, HF_VOCAB, (b, t), generator=gen)
+        adv, ret = torch.randn(b, t - 1, generator=gen), torch.randn(b, t, generator=gen)
+        return ids.to(device), adv.to(device), ret.to(device)
+
+    def ppo(bt: tuple[Any, ...], plain: bool) -> Any:
+        ids, adv, ret = bt
+        a = actor.module if plain else actor
+        c = critic.module if plain else critic
+        logits = a(input_ids=ids, use_cache=False).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        policy = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+        value = 0.5 * (c(ids) - ret).pow(2).mean()
+        return policy + value
+
+    def checkpointing(on: bool) -> None:
+        hf_checkpointing(actor.module, on)
+        hf_checkpointing(critic.module.backbone, on)
+
+    two = (actor, critic)
+    return {"HF1": Workload(two, actor, ppo, batch), "HF2": Workload(two, actor, ppo, batch, checkpointing)}
 
 
-def oracle(torch: Any, wl: dict[str, Any], x: Any, y: Any) -> list[Any]:
+def oracle(torch: Any, wl: Workload, batch: tuple[Any, ...]) -> list[Any]:
     """Plain PyTorch: gradient of the same loss, times 1/GAS of the owner."""
     params, factors = [], []
-    for e in wl["engines"]:
+    for e in wl.engines:
         for p in e.module.parameters():
             params.append(p)
             factors.append(1.0 / e.gradient_accumulation_steps())
-    set_checkpointing(wl["engines"], False)
-    loss = wl["loss"](x, y, True)
+    wl.checkpoint(False)
+    loss = wl.loss(batch, True)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g * f for g, p, f in zip(grads, params, factors)]
 
@@ -265,7 +447,7 @@ def max_rel_err(torch: Any, got: list[Any], want: list[Any]) -> float:
 class Impl:
     """Switch one implementation on for one run, and off again."""
 
-    def __init__(self, name: str, wl: dict[str, Any]) -> None:
+    def __init__(self, name: str, wl: Workload) -> None:
         self.name = name
         self.wl = wl
         self._undo: Callable[[], None] | None = None
@@ -274,11 +456,11 @@ class Impl:
         import graphscale
 
         if self.name == "graphscale":
-            inst = graphscale.install(*self.wl["engines"])
+            inst = graphscale.install(*self.wl.engines)
             self._undo = inst.remove
         elif self.name == "leaf-hooks":
             handles = []
-            for e in self.wl["engines"]:
+            for e in self.wl.engines:
                 inv = 1.0 / e.gradient_accumulation_steps()
                 for p in e.module.parameters():
                     handles.append(p.register_hook(lambda g, inv=inv: g * inv))
@@ -291,7 +473,7 @@ class Impl:
         return self
 
     def backward(self, loss: Any) -> None:
-        caller = self.wl["caller"]
+        caller = self.wl.caller
         if self.name == "leaf-hooks":
             caller.backward(loss, scale_wrt_gas=False)
         else:
@@ -327,81 +509,77 @@ def count_nodes(loss: Any) -> int:
     return len(walk([loss.grad_fn]))
 
 
-def python_walk_ns(torch: Any, wl: dict[str, Any], loss: Any) -> float:
+def python_walk_ns(wl: Workload, loss: Any) -> float:
     """ns per node of the Python reference walker + planner on this graph."""
     import graphscale
-    from graphscale import _planning, _state
 
-    with graphscale.install(*wl["engines"]):
-        state = _state.current()
+    current_state, build_plan = python_planner()
+    with graphscale.install(*wl.engines):
+        state = current_state()
         assert state is not None
         factors = {g: g.factor() for g in state.groups}
         best = math.inf
         for _ in range(3):
             t0 = time.perf_counter()
-            plan = _planning.build_plan([loss], _planning.PlanRequest(state, factors))
+            plan = build_plan(loss, state, factors)
             best = min(best, time.perf_counter() - t0)
     return best / len(plan.graph) * 1e9
 
 
-def run_row(torch: Any, wl_name: str, wl: dict[str, Any], size: Size, reps: int, device: str, bar: Any) -> Row:
-    from graphscale import _state
+def sync(torch: Any, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
-    row = Row(workload=wl_name, size=size.label, hidden=size.hidden)
+
+def timed_backward(torch: Any, impl: Impl, loss: Any, device: str,
+                   phase: Callable[[str, float], None] | None = None) -> tuple[float, list[tuple[int, float, int]]]:
+    """Seconds of one ``impl.backward(loss)`` (garbage collector off), and what
+    graphscale's walk recorder saw during it (graphscale only)."""
+    records: list[tuple[int, float, int]] = []
+    gs = impl.name == "graphscale"
+    gc.disable()
+    try:
+        with recorders(lambda n, s, m: records.append((n, s, m)) if gs else None, phase if gs else None):
+            sync(torch, device)
+            t0 = time.perf_counter()
+            impl.backward(loss)
+            sync(torch, device)
+            dt = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    return dt, records
+
+
+def run_row(torch: Any, wl_name: str, wl: Workload, size: Size, layers: int, reps: int, device: str,
+            bar: Any) -> Row:
+    started = time.perf_counter()
+    row = Row(workload=wl_name, size=size.label, hidden=size.hidden, layers=layers)
     gen = torch.Generator().manual_seed(1234)
-    shape = (size.batch, size.seq, size.hidden)
-
-    def inputs() -> tuple[Any, Any]:
-        x = torch.randn(shape, generator=gen).to(device)
-        y = torch.randn(shape, generator=gen).to(device)
-        return x, y
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    engines = wl["engines"]
+    engines = wl.engines
     row.leaf_hooks = sum(1 for e in engines for _ in e.module.parameters())
     # Correctness: one run of each implementation from zero gradients, against the oracle.
-    x, y = inputs()
-    want = oracle(torch, wl, x, y)
-    set_checkpointing(engines, wl["ckpt"])
+    batch = wl.batch(gen)
+    want = oracle(torch, wl, batch)
+    wl.checkpoint(True)
     for name in IMPLS:
         zero_grads(engines)
         with Impl(name, wl) as impl:
-            impl.backward(wl["loss"](x, y, False))
+            impl.backward(wl.loss(batch, False))
         row.err[name] = max_rel_err(torch, grads_of(engines), want)
-    loss = wl["loss"](x, y, False)
+    loss = wl.loss(batch, False)
     row.nodes = count_nodes(loss)
-    row.py_walk_ns = python_walk_ns(torch, wl, loss)
+    row.py_walk_ns = python_walk_ns(wl, loss)
     del loss
-
-    records: list[tuple[int, float, int]] = []
-
-    def recorder(nodes: int, seconds: float, mults: int) -> None:
-        records.append((nodes, seconds, mults))
 
     warmup = 2
     for rep in range(warmup + reps):
         order = IMPLS[rep % 3:] + IMPLS[: rep % 3]  # rotate who goes first
         got: dict[str, float] = {}
         for name in order:
-            x, y = inputs()
+            batch = wl.batch(gen)
             with Impl(name, wl) as impl:
-                loss = wl["loss"](x, y, False)
-                gc.disable()
-                records.clear()
-                if name == "graphscale":
-                    _state.walk_recorder = recorder
-                try:
-                    sync()
-                    t0 = time.perf_counter()
-                    impl.backward(loss)
-                    sync()
-                    dt = time.perf_counter() - t0
-                finally:
-                    _state.walk_recorder = None
-                    gc.enable()
+                loss = wl.loss(batch, False)
+                dt, records = timed_backward(torch, impl, loss, device)
                 del loss
             if rep >= warmup:
                 row.times[name].append(dt)
@@ -415,19 +593,284 @@ def run_row(torch: Any, wl_name: str, wl: dict[str, Any], size: Size, reps: int,
                 row.ratios[name].append(got[name] / got["deepspeed"])
         bar.update(1)
     for name in IMPLS:  # peak memory: one more backward each, in steady state (gradients exist)
-        x, y = inputs()
+        batch = wl.batch(gen)
         with Impl(name, wl) as impl:
-            loss = wl["loss"](x, y, False)
+            loss = wl.loss(batch, False)
             row.peak[name].append(peak_tensor_bytes(lambda: impl.backward(loss), device))
             del loss
-    set_checkpointing(engines, False)
+    wl.checkpoint(False)
     zero_grads(engines)
+    row.wall_s = time.perf_counter() - started
     return row
+
+
+# ----------------------------------------------------------------------------- fixed per-backward cost
+# NOTE [ Per-backward breakdown ]
+# graphscale's own time in one walked backward is measured, not profiled: the
+# median over many interleaved rounds of (graphscale's backward - DeepSpeed
+# alone's backward in the same round), on the same graph.  Each round runs
+# three backwards of fresh forwards, in rotating order:
+#   deepspeed   DeepSpeed alone;
+#   graphscale  installed; its walk recorder times walk+plan inside the backward;
+#   replica     DeepSpeed alone plus what graphscale adds around the backward,
+#               re-created from graphscale.explain's plan and timed one by one
+#               right after the forward (the cache state graphscale meets):
+#               the scaled seed op (torch.full_like of the loss), one post hook
+#               per hooked node registered with the plan's multipliers, the
+#               backward with those hooks, the hooks removed.
+# The split of the measured difference:
+#   walk+plan        the walk recorder (native walk and plan);
+#   seed scaling     the replica's seed op(s);
+#   hook reg+rm      the replica's registration + removal;
+#   hook calls       replica backward - DeepSpeed alone's, same round: the
+#                    Python post hooks and their multiplications inside torch;
+#   everything else  the rest: the adapter's engine.backward wrapper, the
+#                    governed backward's Python (normalise, read factors,
+#                    snapshot, bookkeeping, the loss / GAS it returns), minus
+#                    the implicit seed torch no longer makes.
+# Where the library offers a per-phase recorder (phase_recorder(phase,
+# seconds), see PHASE_RECORDER), the breakdown reports the library's own
+# phases instead, and "everything else" is the measured difference minus
+# their sum.  A near-free graph (two one-Linear engines) gives the same split
+# where the backward itself costs almost nothing: the fixed part alone.
+
+
+@dataclass
+class Breakdown:
+    graph: str
+    nodes: int
+    rounds: int
+    seeds: int = 0
+    hooked_nodes: int = 0
+    multiplications: int = 0
+    per_round_us: dict[str, list[float]] = field(default_factory=dict)
+    library_phases: list[dict[str, float]] = field(default_factory=list)  # per round, us, where recorded
+    phases_us: dict[str, float] = field(default_factory=dict)
+    notch_us: dict[str, float] = field(default_factory=dict)  # +- of a median of paired differences
+    source: str = ""
+
+
+def replica_of(plan: Any) -> tuple[list[float], list[tuple[int, str, tuple[tuple[int, float], ...]]]]:
+    """From an explained plan: the seed multipliers, and (node index in walk
+    order, node type, ((edge, multiplier), ...)) per hooked node."""
+    seeds = [m.multiplier for m in plan.multiplications if m.kind == "seed"]
+    edges: dict[str, list[tuple[int, float]]] = {}
+    for m in plan.multiplications:
+        if m.kind == "edge":
+            edges.setdefault(m.node, []).append((m.edge, m.multiplier))
+    hooks = []
+    for name, mults in edges.items():
+        kind, index = name.rsplit("#", 1)
+        hooks.append((int(index), kind, tuple(mults)))
+    return seeds, hooks
+
+
+def multiplying_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
+    """A Node post hook multiplying ``grad_inputs[k]`` by ``m``, as graphscale's does."""
+
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = list(grad_inputs)
+        for k, m in mults:
+            if out[k] is not None:
+                out[k] = out[k] * m
+        return tuple(out)
+
+    return hook
+
+
+def run_replica(torch: Any, wl: Workload, loss: Any, seeds: list[float],
+                hooks: list[tuple[int, str, tuple[tuple[int, float], ...]]], device: str) -> dict[str, float]:
+    """DeepSpeed alone plus graphscale's seed op and hooks, each timed (us)."""
+    from graphscale._walk import walk
+
+    nodes = walk([loss.grad_fn]).nodes
+    targets = []
+    for index, kind, mults in hooks:
+        node = nodes[index]
+        if type(node).__name__ != kind:
+            raise RuntimeError(f"benchmarks/overhead.py: explain's node #{index} is {kind}, the walk's is "
+                               f"{type(node).__name__}; the replica needs explain's walk order")
+        targets.append((node, mults))
+    gc.disable()
+    try:
+        sync(torch, device)
+        t0 = time.perf_counter()
+        for m in seeds:
+            torch.full_like(loss, m, memory_format=torch.preserve_format)
+        t1 = time.perf_counter()
+        handles = [node.register_hook(multiplying_hook(mults)) for node, mults in targets]
+        t2 = time.perf_counter()
+        wl.caller.backward(loss)
+        sync(torch, device)
+        t3 = time.perf_counter()
+        for h in handles:
+            h.remove()
+        t4 = time.perf_counter()
+    finally:
+        gc.enable()
+    return {"seed_us": (t1 - t0) * 1e6, "register_us": (t2 - t1) * 1e6, "backward_us": (t3 - t2) * 1e6,
+            "remove_us": (t4 - t3) * 1e6}
+
+
+def measure_breakdown(torch: Any, graph: str, wl: Workload, rounds: int, device: str) -> Breakdown:
+    """NOTE [ Per-backward breakdown ] on ``wl`` (2 warm-up rounds dropped)."""
+    import graphscale
+
+    gen = torch.Generator().manual_seed(4321)
+    loss = wl.loss(wl.batch(gen), False)
+    bd = Breakdown(graph=graph, nodes=count_nodes(loss), rounds=rounds)
+    with graphscale.install(*wl.engines):
+        plan = graphscale.explain(loss)
+    seeds, hooks = replica_of(plan)
+    bd.seeds, bd.hooked_nodes, bd.multiplications = len(seeds), len(hooks), len(plan.multiplications)
+    del loss, plan
+
+    events: dict[str, float] = {}
+
+    def phase(name: str, seconds: float) -> None:
+        events[name] = events.get(name, 0.0) + seconds
+
+    keys = ("deepspeed_us", "graphscale_us", "walk_us", "replica_seed_us", "replica_register_us",
+            "replica_backward_us", "replica_remove_us")
+    per = bd.per_round_us = {k: [] for k in keys}
+    variants = ("deepspeed", "graphscale", "replica")
+    for rnd in range(2 + rounds):
+        got: dict[str, float] = {}
+        events.clear()
+        for name in variants[rnd % 3:] + variants[: rnd % 3]:
+            batch = wl.batch(gen)
+            if name == "replica":
+                for k, v in run_replica(torch, wl, wl.loss(batch, False), seeds, hooks, device).items():
+                    got["replica_" + k] = v
+                continue
+            with Impl(name, wl) as impl:
+                loss = wl.loss(batch, False)
+                dt, records = timed_backward(torch, impl, loss, device, phase)
+                del loss
+            got[name + "_us"] = dt * 1e6
+            if name == "graphscale":
+                got["walk_us"] = sum(r[1] for r in records) * 1e6
+        if rnd >= 2:
+            for k in keys:
+                per[k].append(got[k])
+            if events:
+                bd.library_phases.append({k: v * 1e6 for k, v in events.items()})
+    zero_grads(wl.engines)
+
+    extra_rounds = [g - d for g, d in zip(per["graphscale_us"], per["deepspeed_us"])]
+    extra = med(extra_rounds)
+    bd.notch_us["total (measured)"] = median_notch(extra_rounds)
+    if bd.library_phases:
+        bd.source = "graphscale's per-phase recorder"
+        names = sorted({k for r in bd.library_phases for k in r})
+        bd.phases_us = {k: med([r.get(k, 0.0) for r in bd.library_phases]) for k in names}
+    else:
+        bd.source = "walk recorder + a replica of graphscale's seed op and hooks (NOTE [ Per-backward breakdown ])"
+        bd.phases_us = {
+            "walk+plan": med(per["walk_us"]),
+            "seed scaling": med(per["replica_seed_us"]),
+            "hook reg+rm": med([a + b for a, b in zip(per["replica_register_us"], per["replica_remove_us"])]),
+            "hook calls": med([r - d for r, d in zip(per["replica_backward_us"], per["deepspeed_us"])]),
+        }
+        bd.notch_us["hook calls"] = median_notch([r - d for r, d in zip(per["replica_backward_us"], per["deepspeed_us"])])
+    bd.phases_us["everything else"] = extra - sum(bd.phases_us.values())
+    bd.phases_us["total (measured)"] = extra
+    return bd
+
+
+def tiny_pair(torch: Any, device: str) -> Workload:
+    """Two engines of one Linear(8, 8) each (GAS 2, 4) under one summed loss:
+    a backward that costs almost nothing but DeepSpeed's own bookkeeping."""
+    torch.manual_seed(0)
+    actor = make_engine(torch.nn.Linear(8, 8).to(device), gas=2)
+    critic = make_engine(torch.nn.Linear(8, 8).to(device), gas=4)
+
+    def batch(gen: Any) -> tuple[Any, ...]:
+        return (torch.randn(2, 8, generator=gen).to(device),)
+
+    def loss(b: tuple[Any, ...], plain: bool) -> Any:
+        a, c = (actor.module, critic.module) if plain else (actor, critic)
+        return a(b[0]).pow(2).mean() + c(b[0]).pow(2).mean()
+
+    return Workload((actor, critic), actor, loss, batch)
+
+
+def measure_install(engines: tuple[Any, ...], reps: int) -> dict[str, Any]:
+    """Median ms of ``graphscale.install(*engines)`` and of its ``remove()``,
+    garbage collector as the process has it."""
+    import graphscale
+
+    ins, rem = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        inst = graphscale.install(*engines)
+        t1 = time.perf_counter()
+        inst.remove()
+        t2 = time.perf_counter()
+        ins.append((t1 - t0) * 1e3)
+        rem.append((t2 - t1) * 1e3)
+    return {
+        "live_objects": len(gc.get_objects()),
+        "install_ms": med(ins),
+        "remove_ms": med(rem),
+        "total_ms": med([a + b for a, b in zip(ins, rem)]),
+        "install_ms_all": ins,
+        "remove_ms_all": rem,
+    }
+
+
+def fixed_costs(torch: Any, args: argparse.Namespace, sizes: list[Size], device: str) -> dict[str, Any]:
+    """The sections after the table: NOTE [ Per-backward breakdown ] on the
+    small HF pair (and a near-free graph), then install() cost vs heap size."""
+    out: dict[str, Any] = {"breakdown": [], "install": []}
+    launch = next((s for s in sizes if s.label == "launch"), Size(32, 2, 8 if args.quick else 16, "launch"))
+    rounds = 61 if args.quick else 401
+    have_hf = importlib.util.find_spec("transformers") is not None
+    tiny = tiny_pair(torch, device)
+    gc.collect()
+    gc.freeze()  # as in the table: installs between rounds do not scan torch's objects
+    try:
+        pair = None
+        if have_hf:
+            shape = HF_SHAPES["launch"]
+            torch.manual_seed(0)
+            am, cm = make_hf_modules(shape["layers"], shape["width"], device)
+            pair = hf_workloads(torch, make_engine(am, gas=2), make_engine(cm, gas=4), launch, device)["HF1"]
+            name = f"HF1 pair, GPT-2 {shape['layers']} layers x {shape['width']}"
+            out["breakdown"].append(measure_breakdown(torch, name, pair, rounds, device))
+        out["breakdown"].append(measure_breakdown(torch, "near-free: 2 x Linear(8, 8)", tiny, rounds, device))
+    finally:
+        gc.unfreeze()
+    engines = (pair or tiny).engines
+    reps = 3 if args.quick else 7
+    gc.collect()
+    out["install"].append({"heap": "this process as is", **measure_install(engines, reps)})
+    ballast = [[i] for i in range(EXTRA_OBJECTS)]  # lists: always tracked by the collector
+    out["install"].append({"heap": f"+{EXTRA_OBJECTS / 1e6:.0f}M live lists",
+                           **measure_install(engines, reps)})
+    del ballast
+    gc.collect()
+    out["install_engines"] = "HF1 pair (launch)" if pair is not None else "2 x Linear(8, 8)"
+    out["breakdown"] = [vars(b) for b in out["breakdown"]]
+    return out
 
 
 # ----------------------------------------------------------------------------- report
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def median_notch(xs: list[float]) -> float:
+    """Half-width of the usual ~95 % interval of a median: 1.58 IQR / sqrt(n)."""
+    q1, q3 = quartiles(xs)
+    return 1.58 * (q3 - q1) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def summarize(row: Row) -> dict[str, Any]:
@@ -437,6 +880,7 @@ def summarize(row: Row) -> dict[str, Any]:
         "workload": row.workload,
         "size": row.size,
         "hidden": row.hidden,
+        "layers": row.layers,
         "graph_nodes": row.nodes,
         "nodes_walked": walked,
         "walk_us": walk_us,
@@ -447,18 +891,26 @@ def summarize(row: Row) -> dict[str, Any]:
         "multiplications": med([float(m) for m in row.mults]),
         "expected_multiplications": EXPECTED_MULTS[row.workload],
         "leaf_hooks": row.leaf_hooks,
+        "row_wall_s": row.wall_s,
+        "walked_per_round": row.walked,
+        "walk_s_per_round": row.walk_s,
+        "multiplications_per_round": row.mults,
         "impl": {},
     }
     for name in IMPLS:
         r = row.ratios[name]
+        q1, q3 = quartiles(r)
         out["impl"][name] = {
             "backward_ms_median": med(row.times[name]) * 1e3,
             "ratio_median": med(r),
             "ratio_min": min(r) if r else float("nan"),
             "ratio_max": max(r) if r else float("nan"),
+            "ratio_q1": q1,
+            "ratio_q3": q3,
             "peak_bytes_median": med([float(p) for p in row.peak[name]]),
             "max_rel_err": row.err[name],
             "times_s": row.times[name],
+            "ratios": r,
         }
     return out
 
@@ -473,16 +925,32 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.1f}GiB"
 
 
+def render(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to width, a rule under the header."""
+    lines = [head, *rows]
+    widths = [max(len(str(line[c])) for line in lines) for c in range(len(head))]
+    out = []
+    for n, line in enumerate(lines):
+        out.append("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def row_label(s: dict[str, Any]) -> str:
+    return f"{s['workload']} h{s['hidden']}"
+
+
 def table(summaries: list[dict[str, Any]]) -> str:
     head = ("row", "impl", "bwd ms", "ratio med [min-max]", "nodes", "walked", "walk us", "ns/node (min)",
             "mults", "peak mem", "max rel err")
-    lines = [head]
+    lines = []
     for s in summaries:
         for k, name in enumerate(IMPLS):
             i = s["impl"][name]
             gs = name == "graphscale"
             lines.append((
-                f"{s['workload']} h{s['hidden']}" if k == 0 else "",
+                row_label(s) if k == 0 else "",
                 name,
                 f"{i['backward_ms_median']:.2f}",
                 f"{i['ratio_median']:.3f} [{i['ratio_min']:.2f}-{i['ratio_max']:.2f}]",
@@ -497,21 +965,42 @@ def table(summaries: list[dict[str, Any]]) -> str:
                 fmt_bytes(i["peak_bytes_median"]),
                 f"{i['max_rel_err']:.1e}",
             ))
-    widths = [max(len(str(line[c])) for line in lines) for c in range(len(head))]
-    out = []
-    for n, line in enumerate(lines):
-        out.append("  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return render(head, lines)
+
+
+def breakdown_table(fixed: dict[str, Any]) -> str:
+    """One line per graph: the measured difference and its phases (us per walked backward)."""
+    names: list[str] = []
+    for b in fixed["breakdown"]:
+        names += [k for k in b["phases_us"] if k not in names and k not in ("everything else", "total (measured)")]
+    head = ("graph", "nodes", "seeds+hooked", "DS bwd us", "gs extra us", *names, "everything else")
+    rows = []
+    for b in fixed["breakdown"]:
+        ph, notch = b["phases_us"], b["notch_us"]
+
+        def cell(k: str) -> str:
+            if k not in ph:
+                return "-"
+            return f"{ph[k]:.0f}" + (f" +-{notch[k]:.0f}" if k in notch else "")
+
+        rows.append((b["graph"], str(b["nodes"]), f"{b['seeds']}+{b['hooked_nodes']}",
+                     f"{med(b['per_round_us']['deepspeed_us']):.0f}", cell("total (measured)"),
+                     *(cell(k) for k in names), f"{ph['everything else']:.0f}"))
+    return render(head, rows)
+
+
+def install_table(fixed: dict[str, Any]) -> str:
+    rows = [(i["heap"], f"{i['live_objects'] / 1e6:.2f}M", f"{i['install_ms']:.1f}", f"{i['remove_ms']:.1f}",
+             f"{i['total_ms']:.1f}") for i in fixed["install"]]
+    return render(("heap", "gc-tracked objects", "install ms", "remove ms", "install+remove ms"), rows)
 
 
 def targets(summaries: list[dict[str, Any]]) -> list[str]:
-    """Issue 4 item 4, checked on this run's medians."""
+    """Issue 4 item 4 and issue 11, checked on this run's medians."""
     out = []
     for s in summaries:
         g = s["impl"]["graphscale"]
-        bound = (1.01 if s["workload"] == "W1" or s["hidden"] >= 256 else 1.03)
+        bound = (1.01 if s["workload"] == "W1" or s["size"] == "compute" else 1.03)
         checks = [
             (g["ratio_median"] <= bound, f"ratio {g['ratio_median']:.3f} <= {bound}"),
             (g["ratio_median"] < s["impl"]["leaf-hooks"]["ratio_median"],
@@ -527,50 +1016,139 @@ def targets(summaries: list[dict[str, Any]]) -> list[str]:
             checks.append((gsm <= dsm * 1.01, f"peak {fmt_bytes(gsm)} within 1% of {fmt_bytes(dsm)}"))
         bad = [msg for ok, msg in checks if not ok]
         good = [msg for ok, msg in checks if ok]
-        tag = f"{s['workload']} h{s['hidden']}"
-        out.append(f"{tag}: " + ("all targets met" if not bad else "NOT MET: " + "; ".join(bad))
+        out.append(f"{row_label(s)}: " + ("all targets met" if not bad else "NOT MET: " + "; ".join(bad))
                    + (f"  (met: {'; '.join(good)})" if bad else ""))
     return out
 
 
-def plot_x(s: dict[str, Any]) -> int:
-    """Nodes in the backward: the loss's graph, or more where graphscale also
-    walked the recomputed segments of checkpointed blocks (W5)."""
-    return int(max(s["graph_nodes"], s["nodes_walked"] or 0))
+# ----------------------------------------------------------------------------- plot
+PLOT_IMPLS = {"leaf-hooks": "tab:orange", "graphscale": "tab:green"}
+PANEL_TITLES = {"launch": "launch-bound", "compute": "compute-bound"}
 
 
 def plot(summaries: list[dict[str, Any]], path: str, title: str) -> None:
+    """One panel per size; one group of bars per workload, the implementations
+    side by side, each bar drawn from the DeepSpeed-alone line (ratio 1.0) to
+    its median ratio, whiskers over the inter-quartile range of the per-round
+    ratios.  Hatched: gradients not exact.  Nothing joins different workloads."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=110)
-    colors = {"deepspeed": "tab:blue", "leaf-hooks": "tab:orange", "graphscale": "tab:green"}
-    markers = {"deepspeed": "o", "leaf-hooks": "s", "graphscale": "^"}
-    hiddens = sorted({s["hidden"] for s in summaries})
-    styles = dict(zip(hiddens, ["-", "--", ":", "-."]))
-    for name in IMPLS:
-        for hidden in hiddens:
-            pts = sorted((plot_x(s), s["impl"][name]["ratio_median"], s["workload"])
-                         for s in summaries if s["hidden"] == hidden)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[hidden], marker=markers[name],
-                    color=colors[name], label=f"{name} (hidden {hidden})")
-            if name == "graphscale":
-                for n, r, w in pts:
-                    ax.annotate(w, (n, r), textcoords="offset points", xytext=(4, 2), fontsize=7)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("autograd nodes in the backward (W5: outer graph + recomputed blocks)")
-    ax.set_ylabel("backward time / DeepSpeed alone (median)")
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7, ncol=3, loc="upper left")
+    labels = [lab for lab in PANEL_TITLES if any(s["size"] == lab for s in summaries)]
+    fig, axes = plt.subplots(len(labels), 1, figsize=(9, 3.6 * len(labels) + 0.6), dpi=110, squeeze=False)
+    width = 0.36
+    for ax, label in zip(axes[:, 0], labels):
+        rows = [s for s in summaries if s["size"] == label]
+        lo, hi = 1.0, 1.0
+        for k, name in enumerate(PLOT_IMPLS):
+            xs = [n + (k - 0.5) * width for n in range(len(rows))]
+            meds = [s["impl"][name]["ratio_median"] for s in rows]
+            q1 = [s["impl"][name]["ratio_q1"] for s in rows]
+            q3 = [s["impl"][name]["ratio_q3"] for s in rows]
+            bars = ax.bar(xs, [m - 1.0 for m in meds], width, bottom=1.0, color=PLOT_IMPLS[name],
+                          edgecolor="black", linewidth=0.5, label=name)
+            for bar_, s in zip(bars, rows):
+                if s["impl"][name]["max_rel_err"] >= 1e-5:
+                    bar_.set_hatch("///")
+            ax.errorbar(xs, meds, yerr=[[m - a for m, a in zip(meds, q1)], [b - m for m, b in zip(meds, q3)]],
+                        fmt="none", ecolor="black", elinewidth=0.9, capsize=2.5)
+            for x, m, b_ in zip(xs, meds, q3):
+                ax.annotate(f"{m:.3f}", (x, max(m, b_, 1.0)), textcoords="offset points", xytext=(0, 2),
+                            ha="center", va="bottom", fontsize=6.5, rotation=90)
+            lo, hi = min(lo, *q1, *meds), max(hi, *q3, *meds)
+        ax.axhline(1.0, color="tab:blue", lw=1.4, label="DeepSpeed alone (= 1.0)")
+        ticks = []
+        for s in rows:
+            ds = s["impl"]["deepspeed"]
+            wrong = "\nDS wrong" if ds["max_rel_err"] >= 1e-5 else ""
+            ticks.append(f"{s['workload']} h{s['hidden']}\n{ds['backward_ms_median']:.1f} ms{wrong}")
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(ticks, fontsize=7.5)
+        span = hi - lo
+        ax.set_ylim(lo - 0.08 * span - 0.005, hi + 0.25 * span + 0.005)
+        ax.set_ylabel("backward / DeepSpeed alone", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7.5)
+        ax.grid(axis="y", lw=0.3, alpha=0.6)
+        ax.set_title(f"{PANEL_TITLES[label]}: bars = median ratio, whiskers = inter-quartile range over rounds",
+                     fontsize=8.5)
+        handles, names = ax.get_legend_handles_labels()
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///"))
+        names.append("hatched: gradients not exact")
+        ax.legend(handles, names, fontsize=7, ncol=4, loc="upper left")
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- main
+def make_sizes(args: argparse.Namespace) -> list[Size]:
+    sizes = []
+    for h in (int(h) for h in args.sizes.split(",")):
+        label = "launch" if h < 128 else "compute"
+        seq = (8 if h < 128 else 32) if args.quick else (16 if h < 128 else 64)
+        sizes.append(Size(h, 2, seq, label))
+    return sizes
+
+
+def run_table(torch: Any, args: argparse.Namespace, sizes: list[Size], wl_names: list[str], reps: int,
+              meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every requested row, size by size: the tower engines for W1-W6, then
+    the GPT-2 engines for HF1-HF2 (built per size, freed after)."""
+    from tqdm import tqdm
+
+    _, Tower = make_model_classes()
+    tower = [w for w in wl_names if w not in HF_WORKLOADS]
+    hf = [w for w in wl_names if w in HF_WORKLOADS]
+    if hf and importlib.util.find_spec("transformers") is None:
+        print("benchmarks/overhead.py: transformers is not installed (pip install -e '.[bench]'); "
+              f"skipping {', '.join(hf)}", file=sys.stderr)
+        hf = []
+    summaries = []
+
+    def size_reps(size: Size) -> int:
+        return reps if size.label == "launch" else max(5, reps // 2)
+
+    rounds = sum((2 + size_reps(s)) * (len(tower) + len(hf)) for s in sizes)
+    with tqdm(total=rounds, desc="interleaved rounds", unit="round", dynamic_ncols=True) as bar:
+        for size in sizes:
+            families = []
+            if tower:
+                families.append(("tower", args.layers, size.hidden, tower))
+            if hf:
+                shape = HF_SHAPES[size.label]
+                families.append(("hf", shape["layers"], shape["width"], hf))
+            for family, layers, hidden, names in families:
+                torch.manual_seed(0)
+                if family == "tower":
+                    actor_m, critic_m = Tower(hidden, layers).to(args.device), Tower(hidden, layers).to(args.device)
+                else:
+                    actor_m, critic_m = make_hf_modules(layers, hidden, args.device)
+                actor, critic = make_engine(actor_m, gas=2), make_engine(critic_m, gas=4)
+                fam_size = Size(hidden, size.batch, size.seq, size.label)
+                build = tower_workloads if family == "tower" else hf_workloads
+                wls = build(torch, actor, critic, fam_size, args.device)
+                if family == "hf":
+                    wls["HF2"].checkpoint(True)
+                    meta["hf_checkpoint_use_reentrant"] = hf_use_reentrant(actor.module)
+                    wls["HF2"].checkpoint(False)
+                gc.collect()
+                gc.freeze()  # keep torch's and deepspeed's objects out of every later collection
+                try:
+                    for w in names:
+                        bar.set_postfix_str(f"{w} hidden {hidden}")
+                        row = run_row(torch, w, wls[w], fam_size, layers, size_reps(size), args.device, bar)
+                        summaries.append(summarize(row))
+                finally:
+                    del actor, critic, actor_m, critic_m, wls
+                    gc.unfreeze()
+                    gc.collect()
+    return summaries
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -583,53 +1161,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     import deepspeed
-    from tqdm import tqdm
 
     import graphscale
     from graphscale import _native
 
-    quiet_deepspeed()
+    quiet_libraries()
     init_dist(args.device)
-    quiet_deepspeed()
+    quiet_libraries()
+    wl_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in wl_names if w not in WORKLOADS]
+    if unknown:
+        print(f"benchmarks/overhead.py: unknown workloads {unknown}; choose from {list(WORKLOADS)}", file=sys.stderr)
+        return 2
 
     t0 = time.perf_counter()
-    native = _native.wait()  # the cached build (ms), or the whole build on an empty cache
+    native = _native.wait()  # a background build on a fresh machine: wait for it before timing
     build_s = time.perf_counter() - t0
     walker = "native" if native is not None else "python"
 
-    hidden_sizes = [int(h) for h in args.sizes.split(",")]
-    sizes = []
-    for h in hidden_sizes:
-        if args.quick:
-            sizes.append(Size(h, 2, 8 if h < 128 else 32, "launch" if h < 128 else "compute"))
-        else:
-            sizes.append(Size(h, 2, 16 if h < 128 else 64, "launch" if h < 128 else "compute"))
+    sizes = make_sizes(args)
     reps = args.reps if args.reps is not None else (7 if args.quick else 61)
-    wl_names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    _, Tower = make_model_classes()
-
-    summaries = []
-    rounds = sum(2 + (reps if s.hidden < 128 else max(5, reps // 2)) for s in sizes for _ in wl_names)
-    with tqdm(total=rounds, desc="interleaved rounds", unit="round", dynamic_ncols=True) as bar:
-        for size in sizes:
-            torch.manual_seed(0)
-            actor = make_engine(Tower(size.hidden, args.layers).to(args.device), gas=2)
-            critic = make_engine(Tower(size.hidden, args.layers).to(args.device), gas=4)
-            wls = build_workloads(torch, actor, critic)
-            gc.collect()
-            gc.freeze()  # keep torch's and deepspeed's objects out of every later collection
-            r = reps if size.hidden < 128 else max(5, reps // 2)
-            for w in wl_names:
-                bar.set_postfix_str(f"{w} hidden {size.hidden}")
-                row = run_row(torch, w, wls[w], size, r, args.device, bar)
-                summaries.append(summarize(row))
-            del actor, critic, wls
-            gc.unfreeze()
-            gc.collect()
-
     device_name = (torch.cuda.get_device_name() if args.device == "cuda"
                    else f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, {args.threads} torch thread(s)")
-    meta = {
+    meta: dict[str, Any] = {
         "device": device_name,
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
@@ -640,25 +1194,52 @@ def main(argv: list[str] | None = None) -> int:
         "reps": reps,
         "layers_per_engine": args.layers,
         "sizes": [vars(s) for s in sizes],
+        "hf_shapes": HF_SHAPES,
+        "hf_vocab": HF_VOCAB,
         "zero_stage": 1,
         "memory_measure": ("torch.cuda.max_memory_allocated above the start" if args.device == "cuda"
                            else "peak tensor bytes above the start (torch profiler, profile_memory=True)"),
+        "plot_whiskers": "inter-quartile range (25th-75th percentile) of the per-round ratios",
         "wall_s": None,
     }
-    title = (f"graphscale overhead: {meta['device']}\ntorch {meta['torch']}, deepspeed {meta['deepspeed']}, "
-             f"{args.layers} blocks/engine, ZeRO 1, walker {walker}")
+    if importlib.util.find_spec("transformers") is not None:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    summaries = run_table(torch, args, sizes, wl_names, reps, meta)
+    table_s = time.perf_counter() - t_start
+
+    title = (f"graphscale overhead: {meta['device']}\ntorch {meta['torch']}, deepspeed {meta['deepspeed']}"
+             + (f", transformers {meta['transformers']}" if "transformers" in meta else "")
+             + f", {args.layers} blocks/engine (W1-W6), ZeRO 1, walker {walker}")
     print()
     print(title)
     print(table(summaries))
     print()
     for line in targets(summaries):
         print(line)
+    if "hf_checkpoint_use_reentrant" in meta:
+        print(f"HF2: transformers' gradient checkpointing with its default arguments: "
+              f"use_reentrant={meta['hf_checkpoint_use_reentrant']}")
+
+    fixed = None
+    if not args.no_fixed_costs:
+        t0 = time.perf_counter()
+        fixed = fixed_costs(torch, args, sizes, args.device)
+        fixed["wall_s"] = time.perf_counter() - t0
+        print("\ngraphscale's fixed cost per walked backward (median over "
+              f"{fixed['breakdown'][0]['rounds']} interleaved rounds; {fixed['breakdown'][0]['source']}):")
+        print(breakdown_table(fixed))
+        print(f"\ninstall({fixed['install_engines']}) + remove(), median ms:")
+        print(install_table(fixed))
     meta["wall_s"] = time.perf_counter() - t_start
-    print(f"\nwall time {meta['wall_s']:.0f} s; walker {walker} (built/loaded in {build_s:.1f} s); "
-          f"peak memory: {meta['memory_measure']}")
+    meta["table_wall_s"] = table_s
+    print(f"\nwall time {meta['wall_s']:.0f} s (table {table_s:.0f} s); walker {walker} "
+          f"(built/loaded in {build_s:.1f} s); peak memory: {meta['memory_measure']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": summaries, "targets": targets(summaries)}, f, indent=1)
+            json.dump({"meta": meta, "rows": summaries, "targets": targets(summaries), "fixed_costs": fixed},
+                      f, indent=1)
         print(f"wrote {args.json}")
     if not args.no_plot:
         path = args.plot or os.path.join(os.path.dirname(os.path.abspath(__file__)), "overhead.png")
