@@ -143,7 +143,7 @@ class Audit:
         roots, grads = norm
         if any(g is None and isinstance(t, torch.Tensor) and t.numel() != 1 for t, g in zip(roots, grads)):
             return run(*args)  # no seed for a non-scalar root: torch raises its own error
-        _check_supported(state.groups)
+        _check_supported(state)
         scaling = _state.gas_scaling_enabled()
         factors = {g: _expected_factor(g, scaling) for g in state.groups}
         leaves = _leaves(roots, inputs)
@@ -172,7 +172,7 @@ class Audit:
         for p, g, b in zip(leaves, ref, before):
             after = p.grad
             owner = state.owner.get(id(p))
-            name = owner.param_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
+            name = state.leaf_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
             gg = torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
             if after is None:
                 if g is not None and bool(gg.any()):
@@ -342,12 +342,18 @@ def _expected_factor(group: Group, scaling: bool) -> float:
     return factor * loss_scale(engine)
 
 
-def _check_supported(groups: Sequence[Group]) -> None:
+def _check_supported(state: State) -> None:
+    if state.extra or state.pending:
+        raise GraphscaleError(
+            "graphscale.audit: a group here is an FSDP2 (fully_shard) model, whose gradients FSDP2 moves out of "
+            ".grad during backward (reduce-scatter), so the audit cannot read them. Audit the same model "
+            "unsharded, on one rank, then switch back. No gradient was touched."
+        )
     if "deepspeed" not in sys.modules:
         return
     from ._deepspeed import zero_stage
 
-    for g in groups:
+    for g in state.groups:
         stage = zero_stage(g)
         if stage >= 2:
             raise GraphscaleError(

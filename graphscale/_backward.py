@@ -258,6 +258,8 @@ def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | Non
     state = _state.current()
     if state is None:
         return call.run(None)
+    if state.pending:  # NOTE [ FSDP2's backward leaves ]
+        state = state.ready()
     # NOTE [ Which snapshot an output hook obeys ]
     with _state.governing(state):
         if call.roots is None:

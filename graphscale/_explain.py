@@ -209,7 +209,7 @@ def _labels(graph: Any, state: State) -> tuple[list[str], list[str | None], dict
         else:
             reached[g] = reached.get(g, 0) + 1
             node_groups[i] = g.name
-            labels[i] += f" [{g.name}.{g.param_name(var)}]"
+            labels[i] += f" [{g.name}.{state.leaf_name(var)}]"
     return labels, node_groups, reached, unowned
 
 

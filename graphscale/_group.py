@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from numbers import Real
 from typing import Any, Union
@@ -134,9 +135,10 @@ class Group:
         1.0
     """
 
-    __slots__ = ("name", "_gas", "_factor", "_params", "_param_names", "_factor_key", "__weakref__")
+    __slots__ = ("name", "_gas", "_factor", "_params", "_param_names", "_factor_key", "_module", "__weakref__")
 
-    def __new__(cls, module_or_params: Any = None, *args: Any, **kwargs: Any) -> Group:
+    def __new__(cls, module_or_params: Any, gas: GasSpec = UNSET, *, factor: FactorSpec = UNSET,
+                name: str | None = None) -> Group:
         if cls is Group and not isinstance(module_or_params, torch.Tensor):  # an engine is a Module
             from ._deepspeed import is_engine  # imports no deepspeed
 
@@ -155,6 +157,8 @@ class Group:
         name: str | None = None,
     ) -> None:
         named, default_name = _named_leaves(module_or_params)
+        # Weakly: a group holds its parameters and nothing else (NOTE [ FSDP2's backward leaves ] reads it).
+        self._module = weakref.ref(module_or_params) if isinstance(module_or_params, torch.nn.Module) else None
         if gas is not UNSET and factor is not UNSET:
             raise TypeError("graphscale: Group takes gas= or factor=, not both (factor is what 1 / gas would be).")
         self._gas: Any = 1 if gas is UNSET and factor is UNSET else gas
@@ -174,6 +178,11 @@ class Group:
             unique.setdefault(id(p), (pname, p))
         self._params = tuple(p for _, p in unique.values())
         self._param_names = tuple(n for n, _ in unique.values())
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The module the group was made from, while it is alive (None for a list of parameters)."""
+        return self._module() if self._module is not None else None
 
     @property
     def parameters(self) -> tuple[torch.Tensor, ...]:

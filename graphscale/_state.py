@@ -26,6 +26,7 @@ This module holds graphscale's process-wide state and nothing else:
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -65,22 +66,55 @@ UNOWNED_POLICIES = ("any", "plain_params", "plain")
 _RENAMED = {"raw": "plain"}
 
 
+def _own(owner: dict[int, Group], p: torch.Tensor, g: Group, name: str) -> None:
+    prev = owner.get(id(p))
+    if prev is None or prev is g:
+        owner[id(p)] = g
+    elif prev.factor_key != g.factor_key:
+        raise ConfigurationError(
+            f"graphscale: parameter {name!r} (shape {tuple(p.shape)}) is in group "
+            f"{prev.name!r} and in group {g.name!r}, whose factors (gradient-accumulation steps) "
+            "may differ, so no single factor is right for it. Put it in one group only, or give "
+            "both groups the same gas."
+        )
+
+
 def _owner_map(groups: Iterable[Group]) -> dict[int, Group]:
-    """id(leaf) -> owning group; a leaf in two groups of different gas is an error."""
+    """id(leaf) -> owning group; a leaf in two groups whose factors may differ is an error."""
     owner: dict[int, Group] = {}
     for g in groups:
         for p in g.parameters:
-            prev = owner.get(id(p))
-            if prev is None or prev is g:
-                owner[id(p)] = g
-            elif prev.factor_key != g.factor_key:
-                raise ConfigurationError(
-                    f"graphscale: parameter {g.param_name(p)!r} (shape {tuple(p.shape)}) is in group "
-                    f"{prev.name!r} and in group {g.name!r}, whose factors (gradient-accumulation steps) "
-                    "may differ, so no single factor is right for it. Put it in one group only, or give "
-                    "both groups the same gas."
-                )
+            _own(owner, p, g, g.param_name(p))
     return owner
+
+
+def _fsdp_leaves(groups: Iterable[Group], owner: dict[int, Group]) -> tuple[dict[int, tuple[torch.Tensor, str]],
+                                                                          tuple[Any, ...]]:
+    """NOTE [ FSDP2's backward leaves ]: the unsharded parameters of the
+    groups' FSDP2 modules, added to ``owner`` (id -> (leaf, name)), and the
+    FSDPParams whose unsharded parameter is not made yet."""
+    extra: dict[int, tuple[torch.Tensor, str]] = {}
+    pending: list[Any] = []
+    if "torch.distributed.fsdp" not in sys.modules:
+        return extra, ()
+    from . import _fsdp
+
+    for g in groups:
+        module = g.module
+        if module is None:
+            continue
+        for fp in _fsdp.fsdp_params(module):
+            sharded = _fsdp.sharded_of(fp)
+            if owner.get(id(sharded)) is not g:
+                continue
+            leaf = _fsdp.unsharded_of(fp)
+            if leaf is None:
+                pending.append(fp)
+                continue
+            name = f"{g.param_name(sharded)} (unsharded)"
+            _own(owner, leaf, g, name)
+            extra[id(leaf)] = (leaf, name)
+    return extra, tuple(pending)
 
 
 def check_policy(unowned: object, where: str) -> str:
@@ -111,6 +145,10 @@ class State:
     groups: tuple[Group, ...]
     owner: dict[int, Group]
     policy: str
+    # NOTE [ FSDP2's backward leaves ]: leaves owned through a group's FSDP2
+    # module (held here), and the FSDPParams whose leaf is not made yet.
+    extra: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict, repr=False, compare=False)
+    pending: tuple[Any, ...] = field(default=(), repr=False, compare=False)
     # Derived from the above, once (NOTE [ Per-snapshot tables ]).
     engines: frozenset[int] = field(init=False, repr=False, compare=False)  # id() of governed engines
     cache: dict[str, Any] = field(init=False, repr=False, compare=False)
@@ -134,7 +172,38 @@ class State:
         for g in groups:
             if g not in unique:
                 unique.append(g)
-        return cls(groups=tuple(unique), owner=_owner_map(unique), policy=policy)
+        owner = _owner_map(unique)
+        extra, pending = _fsdp_leaves(unique, owner)
+        return cls(groups=tuple(unique), owner=owner, policy=policy, extra=extra, pending=pending)
+
+    def owned_leaves(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """Every owned leaf and the position of its group in ``groups``."""
+        position = {g: k for k, g in enumerate(self.groups)}
+        for k, g in enumerate(self.groups):
+            for p in g.parameters:
+                if self.owner.get(id(p)) is g:
+                    yield p, k
+        for leaf, _ in self.extra.values():
+            yield leaf, position[self.owner[id(leaf)]]
+
+    def leaf_name(self, leaf: torch.Tensor) -> str:
+        """The name of an owned leaf (its group's parameter name), or ``"?"``."""
+        extra = self.extra.get(id(leaf))
+        if extra is not None and extra[0] is leaf:
+            return extra[1]
+        g = self.owner.get(id(leaf))
+        return g.param_name(leaf) if g is not None else "?"
+
+    def ready(self) -> State:
+        """This snapshot, or (NOTE [ FSDP2's backward leaves ]) a new one that
+        owns FSDP2 leaves made since, published if this one is still current."""
+        if not self.pending or all(_fsdp_unsharded(fp) is None for fp in self.pending):
+            return self
+        fresh = State.of(self.groups, self.policy)
+        with _swap_lock:
+            if _current is self:
+                set_current(fresh)
+        return fresh
 
     @property
     def raw(self) -> bool:
@@ -154,6 +223,13 @@ class State:
 
 
 _current: State | None = None
+_swap_lock = threading.Lock()
+
+
+def _fsdp_unsharded(fsdp_param: Any) -> Any:
+    from ._fsdp import unsharded_of
+
+    return unsharded_of(fsdp_param)
 
 
 def set_current(state: State | None) -> None:

@@ -27,12 +27,11 @@ and ``accelerator.accumulate``, with a different GAS per group.
 # group's gas must be a multiple of N, and its optimizer steps when its own
 # window ends (``(micro_step + 1) % gas == 0``): those are Accelerate sync
 # steps, so the prepared optimizer's step() and zero_grad() act then.
-# ``unowned="raw"`` keeps parameters in no group at exactly Accelerate's 1/N.
+# ``unowned="plain"`` keeps parameters in no group at exactly Accelerate's 1/N.
 """
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -49,10 +48,6 @@ except Exception:  # pragma: no cover - depends on the environment
     HAVE_ACCELERATE = False
 
 pytestmark = pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is not installed")
-
-GROUP_TAKES_FACTOR = "factor" in inspect.signature(graphscale.Group).parameters
-requires_factor = pytest.mark.skipif(
-    not GROUP_TAKES_FACTOR, reason="graphscale.Group(factor=...) is not in this graphscale yet")
 
 RTOL = 1e-6  # float32; N, the GAS and factors are powers of two
 ACCELERATE_GAS = 2  # N
@@ -132,7 +127,7 @@ def train_and_compare(shape: str, mode: str) -> list[float]:
     ref_opts = {n: torch.optim.SGD(r.parameters(), lr=LR) for n, r in refs.items()}
     acc_grads = {n: [torch.zeros_like(p) for p in r.parameters()] for n, r in refs.items()}
     make_groups = MODES[mode]
-    inst = graphscale.install(*make_groups(accelerator, models), unowned="raw") if make_groups else None
+    inst = graphscale.install(*make_groups(accelerator, models), unowned="plain") if make_groups else None
     worst: list[float] = []
     try:
         for step in range(MICRO_STEPS):
@@ -163,7 +158,6 @@ def train_and_compare(shape: str, mode: str) -> list[float]:
     return worst
 
 
-@requires_factor
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_groups_with_accelerate_compensating_factor_match_per_group_gas_reference(
         fresh_accelerate: None, shape: str) -> None:

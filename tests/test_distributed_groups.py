@@ -44,8 +44,9 @@ gradient is compared too (FSDP2: ``param.grad.full_tensor()``, see below).
 #   ``for m in module.modules(): if isinstance(m, FSDPModule):
 #   m._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`` (2.13 has the
 #   plural list; earlier releases a single ``_fsdp_param_group``).
-# Hence graphscale on main gives an FSDP2 model's parameters whatever
-# potential its region gets (unowned="any"): here other's 1/2 instead of 1/4.
+# graphscale gives each unsharded parameter the group of its sharded one
+# (NOTE [ FSDP2's backward leaves ] in graphscale/_fsdp.py); before that
+# (4a546fe) an FSDP2 model got the other group's 1/2 instead of 1/4.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ WRAPPERS = ("ddp", "ddp_no_sync", "fsdp_reshard", "fsdp_keep", "fsdp_no_sync")
 # how the backward is scaled: graphscale with either unowned policy, or
 # without graphscale the loss divided by main's GAS (right for main only);
 # FSDP2 only: main's Group also given its unsharded parameters by hand
-MODES = ("graphscale", "graphscale_raw", "loss_over_main_gas", "graphscale_unsharded_in_group")
+MODES = ("graphscale", "graphscale_plain", "loss_over_main_gas", "graphscale_unsharded_in_group")
 
 
 def _net(seed: int) -> torch.nn.Module:
@@ -173,7 +174,7 @@ def train_and_compare(wrapper: str, shape: str, mode: str, rank: int) -> dict[st
     if mode == "graphscale_unsharded_in_group":
         groups[0] = graphscale.Group([*models["main"].parameters(), *_unsharded_parameters(models["main"])],
                                      gas=GAS["main"], name="main")
-    inst = graphscale.install(*groups, unowned="raw" if mode == "graphscale_raw" else "any") if governed else None
+    inst = graphscale.install(*groups, unowned="plain" if mode == "graphscale_plain" else "any") if governed else None
     weights: list[float] = []
     grads: list[float] = []
     try:
@@ -282,24 +283,18 @@ def _case(results: list[dict[str, Any]], key: str) -> tuple[float, str]:
     return worst, "\n".join(lines)
 
 
-FSDP_OWNERSHIP = pytest.mark.xfail(
-    strict=True,
-    reason="graphscale bug: an FSDP2 model's backward leaves are its unsharded parameters "
-           "(FSDPParam._unsharded_param), which no Group owns, so they get the other group's "
-           "factor (1/2 instead of 1/4), or 1 under unowned='raw'; NOTE [ FSDP2's backward leaves ]")
 
-
-@pytest.mark.parametrize("unowned", ["any", "raw"])
+@pytest.mark.parametrize("unowned", ["any", "plain"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("wrapper", [
     "ddp", "ddp_no_sync",
-    pytest.param("fsdp_reshard", marks=FSDP_OWNERSHIP),
-    pytest.param("fsdp_keep", marks=FSDP_OWNERSHIP),
-    pytest.param("fsdp_no_sync", marks=FSDP_OWNERSHIP),
+    "fsdp_reshard",
+    "fsdp_keep",
+    "fsdp_no_sync",
 ])
 def test_two_rank_groups_match_per_group_gas_reference(
         two_rank_results: list[dict[str, Any]], wrapper: str, shape: str, unowned: str) -> None:
-    mode = "graphscale" if unowned == "any" else "graphscale_raw"
+    mode = "graphscale" if unowned == "any" else "graphscale_plain"
     worst, account = _case(two_rank_results, f"{wrapper}/{shape}/{mode}")
     assert worst <= RTOL, account
 

@@ -244,12 +244,9 @@ def owners_for(state: Any, module: Any) -> Any:
         return owners[1]
     impls: list[int] = []
     positions: list[int] = []
-    owner = state.owner
-    for k, g in enumerate(state.groups):
-        for p in g.parameters:
-            if owner.get(id(p)) is g:
-                impls.append(p._cdata)
-                positions.append(k)
+    for leaf, k in state.owned_leaves():
+        impls.append(leaf._cdata)
+        positions.append(k)
     table = module.Owners(impls, positions)
     state.cache["owners"] = (module, table)
     return table
