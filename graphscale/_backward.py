@@ -63,8 +63,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -92,8 +91,7 @@ def _materialize(arg: Any) -> Any:
         return arg
 
 
-@dataclass(frozen=True)
-class BackwardCall:
+class BackwardCall(NamedTuple):
     """One call of ``torch.autograd.backward``, as given and as planned for.
 
     ``roots``/``grads``: one entry per root (a grad None where torch makes the
@@ -122,11 +120,15 @@ class BackwardCall:
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
 
-    def run(self, state: State | None, seeds: Any = None) -> None:
+    def run(self, state: State | None, seeds: Any = None, hooks: bool = True, laps: _state.Laps | None = None) -> None:
         """The original backward, with ``seeds`` in place of the given seeds if
         not None, its graph task bound to ``state`` when that governs engines
-        (NOTE [ Which snapshot an output hook obeys ] in _state.py)."""
-        if state is None or not state.engines or self.roots is None:
+        and the graph may hold their output hooks (``hooks``: a plan found
+        tensor hooks in it, or none looked) (NOTE [ Which snapshot an output
+        hook obeys ] in _state.py)."""
+        if state is None or not state.engines or not hooks or self.roots is None:
+            if laps:
+                laps.skip()
             return ORIGINAL_BACKWARD(
                 self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
                 grad_variables=self.grad_variables, inputs=self.inputs_arg,
@@ -134,7 +136,11 @@ class BackwardCall:
         grads = self.grads if seeds is None else seeds
         assert grads is not None  # normalized with the roots
         with _state.bound(self.roots, state) as roots:
+            if laps:
+                laps("bind")
             ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
+            if laps:
+                laps.skip()
 
 
 def normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
@@ -182,7 +188,7 @@ def _scaled_seeds(roots: Sequence[Any], grads: Sequence[Any], mults: Sequence[fl
     return out
 
 
-def _post_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
+def _post_hook(mults: tuple[tuple[int, float], ...], laps: _state.Laps | None) -> Callable[..., Any]:
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         out = list(grad_inputs)
         for k, m in mults:
@@ -191,7 +197,17 @@ def _post_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
                 out[k] = g * m
         return tuple(out)
 
-    return hook
+    if laps is None:
+        return hook
+    record, name = laps.record, laps.prefix + "hook calls"
+
+    def timed(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        t0 = time.perf_counter()
+        out = hook(grad_inputs, grad_outputs)
+        record(name, time.perf_counter() - t0)
+        return out
+
+    return timed
 
 
 def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
@@ -251,10 +267,11 @@ def governed_backward(
 
 def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
                        grad_variables: Any, inputs: Any) -> None:
-    call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     current = torch._C._current_autograd_node()
+    laps = _state.laps(nested=current is not None)
+    call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     if current is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
-        return _run_nested(call, current)
+        return _run_nested(call, current, laps)
     state = _state.current()
     if state is None:
         return call.run(None)
@@ -267,70 +284,86 @@ def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | Non
         scaling, default_carries = _state.engine_backward_frame()
         factors = state.read_factors(scaling)  # may raise: nothing touched yet
         carries = _carries(call.roots, default_carries)
+        if laps:
+            laps("prepare")
         t0 = time.perf_counter()
         kind, f, plan = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
+        walked = time.perf_counter() - t0
+        if laps:
+            laps("walk+plan")
         if kind == UNTOUCHED:
-            return call.run(state)
+            return call.run(state, laps=laps)
         if kind == FAST_PATH:
-            return _run_fast_path(call, state, f, carries, factors, t0)
+            return _run_fast_path(call, state, f, carries, factors, walked, laps)
         if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
             _warn_unreached_groups(state, plan)
-        return _run_plan(call, plan, _state.Running(plan, factors, state), t0, carries)
+        return _run_plan(call, plan, _state.Running(plan, factors, state), walked, carries, laps)
 
 
 def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence[float],
-                   factors: Mapping[Group, float], t0: float) -> None:
+                   factors: Mapping[Group, float], walked: float, laps: _state.Laps | None) -> None:
     """NOTE [ Fast path ]: every seed times ``f``, nothing planned."""
     assert call.roots is not None and call.grads is not None
     mults = [f / c for c in carries]
     seeds = _scaled_seeds(call.roots, call.grads, mults)
     if seeds is None:
         return call.run(state)
+    if laps:
+        laps("seeds")
     recorder = _state.walk_recorder
     if recorder is not None:  # no plan: the probe's time
-        recorder(0, time.perf_counter() - t0, sum(1 for m in mults if m != 1.0))
+        recorder(0, walked, sum(1 for m in mults if m != 1.0))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: fast path, walked 0 nodes in 0 us, %d multiplication(s) (root seeds x %g), factors %s",
             len(call.roots), f, sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
         )
-    return call.run(state, seeds)
+    return call.run(state, seeds, laps=laps)
 
 
-def _run_nested(call: BackwardCall, current: Any) -> None:
+def _run_nested(call: BackwardCall, current: Any, laps: _state.Laps | None) -> None:
     """A backward called from inside ``current``'s backward: NOTE [ Nested backward ]."""
     if call.roots is None:
         return call.run(_state.task_state())
+    if laps:
+        laps("prepare")
     t0 = time.perf_counter()
     found = _planning.plan_nested(current, call.roots, call.inputs)
+    walked = time.perf_counter() - t0
+    if laps:
+        laps("walk+plan")
     if found is None:  # inside a fast-path or ungoverned backward: untouched, bound as it is
-        return call.run(_state.task_state())
+        return call.run(_state.task_state(), laps=laps)
     enclosing, plan = found
     entry = _state.Running(plan, enclosing.factors, enclosing.state)
-    return _run_plan(call, plan, entry, t0, [plan.base] * len(call.roots))
+    return _run_plan(call, plan, entry, walked, [plan.base] * len(call.roots), laps)
 
 
-def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, t0: float, carries: Sequence[float]) -> None:
+def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, walked: float, carries: Sequence[float],
+              laps: _state.Laps | None) -> None:
     """Scale the seeds, hook the nodes, run the backward with ``entry``
     registered for nested backwards, unhook in ``finally``.  ``carries``:
-    what each seed carries already (the plan's seeds assume ``plan.base``)."""
+    what each seed carries already (the plan's seeds assume ``plan.base``);
+    ``walked``: the seconds it took to walk and plan."""
     assert call.roots is not None and call.grads is not None
     recorder = _state.walk_recorder
     mults = [s * plan.base / c for s, c in zip(plan.seeds, carries)]
     edge_mults = plan.multiplications - sum(1 for s in plan.seeds if s != 1.0)
     multiplications = edge_mults + sum(1 for m in mults if m != 1.0)
     if recorder is not None:
-        recorder(plan.num_nodes, time.perf_counter() - t0, multiplications)
+        recorder(plan.num_nodes, walked, multiplications)
     seeds: Any = None
     if multiplications:
         seeds = _scaled_seeds(call.roots, call.grads, mults)
         if seeds is None:
             return call.run(entry.state)
+        if laps:
+            laps("seeds")
     # else nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ])
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(  # the walker last: tests/test_native_walker.py reads it
             "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, %s walker",
-            plan.num_nodes, (time.perf_counter() - t0) * 1e6, multiplications,
+            plan.num_nodes, walked * 1e6, multiplications,
             sorted({f"{g.name}={f:g}" for g, f in entry.factors.items()}),
             f", nested at base {plan.base:g}" if plan.base != 1.0 else "",
             "python" if isinstance(plan, _planning.PyPlan) else "native",
@@ -339,12 +372,16 @@ def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, t0: float, c
     try:
         if edge_mults:
             for node, mults_ in plan.hooks():
-                handles.append(node.register_hook(_post_hook(mults_)))
+                handles.append(node.register_hook(_post_hook(mults_, laps)))
         with _state.running_plan(entry):
-            call.run(entry.state, seeds)
+            if laps:
+                laps("hooks on")
+            call.run(entry.state, seeds, plan.tensor_hooks, laps)
     finally:
         for h in handles:
             h.remove()
+        if laps:
+            laps("hooks off")
 
 
 _warned: weakref.WeakSet[Group] = weakref.WeakSet()

@@ -64,7 +64,7 @@ from contextlib import contextmanager
 
 from ._errors import GraphscaleError
 from ._group import UNSET, Group
-from ._state import CARRIES_ATTR, backward_state, engine_backward
+from ._state import CARRIES_ATTR, backward_state, engine_backward, laps
 
 __all__ = ["is_engine", "attach", "EngineGroup", "loss_scale", "zero_stage", "prologues_held"]
 
@@ -72,13 +72,16 @@ _lock = threading.Lock()
 _attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
 
 
+def _engine_type() -> type | tuple[()]:
+    """DeepSpeedEngine, or () (no type) while deepspeed is not imported."""
+    ds = sys.modules.get("deepspeed")
+    engine_type = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
+    return engine_type if engine_type is not None else ()
+
+
 def is_engine(obj: Any) -> bool:
     """True if ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
-    ds = sys.modules.get("deepspeed")
-    if ds is None:
-        return False
-    engine_type = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
-    return engine_type is not None and isinstance(obj, engine_type)
+    return isinstance(obj, _engine_type())
 
 
 def _is_pipeline(engine: Any) -> bool:
@@ -100,23 +103,33 @@ def _hook_managers() -> list[Any]:
     return [obj for obj in gc.get_referrers(cls) if type(obj) is cls]
 
 
-def loss_scale(engine: Any) -> float:
-    """The factor DeepSpeed's engine.backward multiplies the loss by (its
-    optimizer's ``scale_if_loss``, or the ZeRO-0 autocast grad scaler): the
-    fp16 loss scale, 1 for bf16 and fp32."""
+def _one() -> float:
+    return 1.0
+
+
+def scale_reader(engine: Any) -> Callable[[], float]:
+    """A function reading, when called, the factor DeepSpeed's engine.backward
+    multiplies the loss by (its optimizer's ``scale_if_loss``, or the ZeRO-0
+    autocast grad scaler): the fp16 loss scale, 1 for bf16 and fp32.  Which
+    attribute holds it is decided once, here; its value is read per call."""
     opt = getattr(engine, "optimizer", None)
     base = sys.modules.get("deepspeed.runtime.base_optimizer")
     zero_type = getattr(base, "ZeROOptimizer", None)
     if zero_type is not None and isinstance(opt, zero_type):
         if getattr(opt, "custom_loss_scaler", False):
-            return float(opt.external_loss_scale)
+            return lambda: float(opt.external_loss_scale)
         scaler = getattr(opt, "torch_autocast_gradscaler", None)
         if scaler is not None:
-            return float(scaler.get_scale())
+            return lambda: float(scaler.get_scale())
         loss_scaler = getattr(opt, "loss_scaler", None)
-        return float(loss_scaler.cur_scale) if loss_scaler is not None else 1.0
-    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-    return float(scaler.get_scale()) if scaler is not None else 1.0
+        return (lambda: float(loss_scaler.cur_scale)) if loss_scaler is not None else _one
+    z0_scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return (lambda: float(z0_scaler.get_scale())) if z0_scaler is not None else _one
+
+
+def loss_scale(engine: Any) -> float:
+    """The factor DeepSpeed's engine.backward multiplies the loss by, now (see :func:`scale_reader`)."""
+    return scale_reader(engine)()
 
 
 class EngineGroup(Group):
@@ -129,7 +142,7 @@ class EngineGroup(Group):
     group's gas callable, which holds it anyway).
     """
 
-    __slots__ = ("engine",)
+    __slots__ = ("engine", "_scale")
 
     def __init__(self, engine: Any, gas: Any = UNSET, *, factor: Any = UNSET, name: str | None = None) -> None:
         if gas is not UNSET:
@@ -151,11 +164,12 @@ class EngineGroup(Group):
             super().__init__(engine.module, factor=factor, name=name)
             self._factor_key = ("engine", id(engine), self._factor_key)
         self.engine: Any = engine
+        self._scale = scale_reader(engine)
 
     def pin(self, scaling: bool = True) -> float:
         """``factor()`` (1 when ``not scaling``) times the engine's loss scale
         (NOTE [ fp16 engines ])."""
-        scale = loss_scale(self.engine)
+        scale = self._scale()
         if scale != 1.0 and not getattr(self.engine, "_running_engine_backward", False):
             # A direct backward: graphscale applies the scale, which DeepSpeed checks was done.
             self.engine._manual_backward_expected = True
@@ -216,7 +230,7 @@ class _PerTensorRedirect:
         if manager is None:
             return self
         fn = manager.__dict__.get(_FN)
-        if getattr(fn, "__name__", None) == _PROLOGUE and is_engine(getattr(fn, "__self__", None)):
+        if getattr(fn, "__name__", None) == _PROLOGUE and isinstance(getattr(fn, "__self__", None), _engine_type()):
             return _Governed(fn)
         return fn
 
@@ -260,6 +274,8 @@ class _EngineAdapter:
         cls = type(engine)
         native_backward = cls.backward.__get__(engine, cls)
         native_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
+        read_scale = scale_reader(engine)
+        sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
         if any(n in engine.__dict__ for n in (_PROLOGUE, "backward", "scale")):
             raise GraphscaleError(
                 "graphscale: this engine's backward, scale or _backward_prologue_per_tensor is already "
@@ -270,19 +286,25 @@ class _EngineAdapter:
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
                 return native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            timed = laps()
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
-            had_flag = hasattr(engine, "_scale_wrt_gas")
             try:
-                with engine_backward(scale_wrt_gas, carries=loss_scale(engine)):
+                with engine_backward(scale_wrt_gas, carries=read_scale()):
+                    if timed:
+                        timed("adapter")
                     native_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+                    if timed:
+                        timed.skip()
             finally:
-                if had_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
+                if sticky_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
                     engine._scale_wrt_gas = scale_wrt_gas
+            if timed:
+                timed("adapter")
             return gas_scaled
 
         def scale(loss: torch.Tensor) -> Any:
             assert native_scale is not None
-            carries = loss_scale(engine)
+            carries = read_scale()
             scaled = native_scale(loss)
             if adapter.active and carries != 1.0 and scaled is not loss:
                 setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]

@@ -13,8 +13,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -43,8 +42,7 @@ def root_node(t: Any) -> Any:
     return None
 
 
-@dataclass(frozen=True)
-class PlanRequest:
+class PlanRequest(NamedTuple):
     """What one backward asks the planner.
 
     ``state``/``factors``: the snapshot and the factors read for this backward.
@@ -68,7 +66,7 @@ class PlanRequest:
     outer_phi: Callable[[Any], float | None] | None = None
     hint: Callable[[Any], float | None] | None = None
 
-    @cached_property
+    @property
     def input_pins(self) -> tuple[tuple[Any, float], ...]:
         """(node, potential) for each non-leaf ``inputs=`` tensor under "plain"."""
         if not self.state.raw:
@@ -77,7 +75,7 @@ class PlanRequest:
         return tuple((t.grad_fn, value) for t in self.inputs
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None)
 
-    @cached_property
+    @property
     def factor_list(self) -> list[float]:
         """The factors in ``state.groups`` order (what the native walker indexes)."""
         return [self.factors[g] for g in self.state.groups]
@@ -239,11 +237,12 @@ def build_plan(roots: Sequence[Any], request: PlanRequest) -> Plan:
 class PyPlan:
     """A Python :class:`Plan` seen through what applying it needs; the native
     walker's ``NativePlan`` has the same surface (seeds, num_nodes,
-    multiplications, base, owned_leaves, unowned_params, hooks(),
-    phi_of(node), groups_reached(), unowned_parameters())."""
+    multiplications, base, owned_leaves, custom_nodes, unowned_params,
+    tensor_hooks, hooks(), phi_of(node), groups_reached(),
+    unowned_parameters())."""
 
     __slots__ = ("plan", "seeds", "num_nodes", "multiplications", "base", "owned_leaves", "custom_nodes",
-                 "unowned_params", "_reached", "_groups")
+                 "unowned_params", "tensor_hooks", "_reached", "_groups")
 
     def __init__(self, plan: Plan, reached: Reached, groups: Sequence[Group]) -> None:
         self.plan = plan
@@ -253,6 +252,7 @@ class PyPlan:
         self.base = plan.base
         self.owned_leaves = reached.owned_leaves
         self.custom_nodes = reached.custom_nodes
+        self.tensor_hooks = True  # not visible from Python: assume some (the backward binds its task)
         self.unowned_params = len(reached.unowned_params)
         self._reached = reached
         self._groups = groups
@@ -326,6 +326,7 @@ def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: 
     """``request`` planned by the native walker ``native``; ``outer``: the
     enclosing NativePlans (innermost last), looked up in C++, in place of
     ``request.outer_phi``.  Raises OverflowError past 64 distinct factors."""
+    pins = request.input_pins
     return native.plan(
         [root_node(t) for t in roots],
         _native.owners_for(request.state, native),
@@ -334,8 +335,8 @@ def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: 
         request.carrier,
         request.state.policy_index,
         torch.nn.Parameter,
-        [node for node, _ in request.input_pins],
-        [value for _, value in request.input_pins],
+        [node for node, _ in pins],
+        [value for _, value in pins],
         request.outer_phi if outer is None else outer,
         request.hint,
     )

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ._errors import ConfigurationError
 from ._group import Group
@@ -43,7 +44,7 @@ __all__ = [
     "UNOWNED_POLICIES", "check_policy", "strictest", "State", "current", "set_current", "engine_backward",
     "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "governing", "governing_state", "bound",
     "task_state", "backward_state", "Running", "running_plan", "running", "find_enclosing",
-    "enclosing_phi", "observer", "walk_recorder",
+    "enclosing_phi", "observer", "walk_recorder", "phase_recorder", "Laps", "laps",
 ]
 
 # NOTE [ Unowned leaves ]
@@ -253,13 +254,20 @@ class _Local(threading.local):
 _local = _Local()
 
 
-@contextmanager
-def _pushed(stack: list[Any], value: Any) -> Iterator[None]:
-    stack.append(value)
-    try:
-        yield
-    finally:
-        stack.pop()
+class _Pushed:
+    """``value`` on ``stack`` for the duration of a ``with`` block (a class:
+    these run on every backward, and a generator context manager costs ~4x)."""
+
+    __slots__ = ("stack", "value")
+
+    def __init__(self, stack: list[Any], value: Any) -> None:
+        self.stack, self.value = stack, value
+
+    def __enter__(self) -> None:
+        self.stack.append(self.value)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.pop()
 
 
 def engine_backward(scaling: bool, carries: float = 1.0) -> AbstractContextManager[None]:
@@ -268,7 +276,7 @@ def engine_backward(scaling: bool, carries: float = 1.0) -> AbstractContextManag
     (``scale_wrt_gas``), and their seeds already carry ``carries`` (the
     calling engine's fp16 loss scale, applied by DeepSpeed before it calls
     backward)."""
-    return _pushed(_local.engine_calls, (scaling, carries))
+    return _Pushed(_local.engine_calls, (scaling, carries))
 
 
 def engine_backward_frame() -> tuple[bool, float]:
@@ -308,7 +316,7 @@ CARRIES_ATTR = "_graphscale_carries"
 # division applies there, as without graphscale.
 def governing(state: State) -> AbstractContextManager[None]:
     """Mark ``state`` as the snapshot of the top-level backward running on this thread."""
-    return _pushed(_local.governing, state)
+    return _Pushed(_local.governing, state)
 
 
 def governing_state() -> State | None:
@@ -320,38 +328,54 @@ def governing_state() -> State | None:
 _by_task: dict[int, State] = {}  # graph task id -> snapshot, while that backward runs
 
 
-@contextmanager
-def bound(roots: Sequence[Any], state: State) -> Iterator[tuple[Any, ...]]:
+class bound:
     """Bind the graph task of a backward of ``roots`` to ``state`` while it
-    runs: yields the roots to hand to torch (views of the tensor roots;
-    NOTE [ Which snapshot an output hook obeys ])."""
-    tasks: list[int] = []
+    runs (NOTE [ Which snapshot an output hook obeys ]); ``with`` yields the
+    roots to hand to torch.  The binding hook must be the first thing the
+    task runs: a node pre-hook on a root's node comes after that node's
+    tensor hooks, so a root tensor with hooks of its own (an engine's output,
+    such as a Hugging Face model's ``loss``) is replaced by a view of itself,
+    whose node is new; other roots keep their node and get the pre-hook."""
 
-    def bind(*_: Any) -> None:
+    __slots__ = ("roots", "state", "tasks", "handles")
+
+    def __init__(self, roots: Sequence[Any], state: State) -> None:
+        self.roots, self.state = roots, state
+        self.tasks: list[int] = []
+        self.handles: list[Any] = []
+
+    def _bind(self, *_: Any) -> None:
         tid = torch._C._current_graph_task_id()
         if tid >= 0 and tid not in _by_task:
-            _by_task[tid] = state
-            tasks.append(tid)
+            _by_task[tid] = self.state
+            self.tasks.append(tid)
 
-    handles = []
-    out = []
-    with torch.enable_grad():  # a backward may run under no_grad; the view must be in the graph
-        for t in roots:
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
-                v = t.view_as(t)
-                handles.append(v.register_hook(bind))
-                out.append(v)
-            else:  # an edge, a sparse or nested root: bind at its node (after its own tensor hooks)
-                node = t.node if isinstance(t, GradientEdge) else t.grad_fn
+    def __enter__(self) -> tuple[Any, ...]:
+        out = []
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)  # a backward may run under no_grad; a view must join the graph
+        try:
+            for t in self.roots:
+                node = None
+                if isinstance(t, GradientEdge):
+                    node = t.node
+                elif isinstance(t, torch.Tensor):
+                    if t._backward_hooks and t.layout == torch.strided and not t.is_nested:
+                        t = t.view_as(t)  # its node dies with the graph: no handle to keep
+                        t.grad_fn.register_prehook(self._bind)  # type: ignore[union-attr]
+                    else:
+                        node = t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node
                 if node is not None:
-                    handles.append(node.register_prehook(bind))
+                    self.handles.append(node.register_prehook(self._bind))
                 out.append(t)
-    try:
-        yield tuple(out)
-    finally:
-        for h in handles:
+        finally:
+            torch._C._set_grad_enabled(grad_was)
+        return tuple(out)
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
             h.remove()
-        for tid in tasks:
+        for tid in self.tasks:
             _by_task.pop(tid, None)
 
 
@@ -368,13 +392,16 @@ def backward_state() -> State | None:
 
 
 # ---------------------------------------------------------------- running plans
-@dataclass(eq=False)
 class Running:
-    """A walked plan whose backward is running, with what it was planned with."""
+    """A walked plan whose backward is running, with what it was planned with
+    (compares by identity)."""
 
-    plan: Any  # PyPlan or the native walker's NativePlan: phi_of(node) -> float | None
-    factors: dict[Group, float]
-    state: State
+    __slots__ = ("plan", "factors", "state")
+
+    def __init__(self, plan: Any, factors: Mapping[Group, float], state: State) -> None:
+        self.plan = plan  # PyPlan or the native walker's NativePlan: phi_of(node) -> float | None
+        self.factors = factors
+        self.state = state
 
 
 # Walked plans whose backward is running, any thread, innermost last.  Each
@@ -385,15 +412,20 @@ class Running:
 _running: list[Running] = []
 
 
-@contextmanager
-def running_plan(entry: Running) -> Iterator[None]:
+class running_plan:
     """Register ``entry`` for nested backwards while its backward runs."""
-    _running.append(entry)
-    try:
-        yield
-    finally:
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: Running) -> None:
+        self.entry = entry
+
+    def __enter__(self) -> None:
+        _running.append(self.entry)
+
+    def __exit__(self, *exc: object) -> None:
         try:
-            _running.remove(entry)  # by identity (Running compares so)
+            _running.remove(self.entry)  # by identity (Running compares so)
         except ValueError:
             pass
 
@@ -425,5 +457,39 @@ observer: Callable[..., None] | None = None
 
 # A walk recorder sees every walked plan while set (benchmarks/overhead.py):
 # walk_recorder(nodes, seconds_to_walk_and_plan, multiplications); the fast
-# path calls it with (0, 0.0, seeds_scaled).
+# path calls it with (0, seconds_to_probe, seeds_scaled).
 walk_recorder: Callable[[int, float, int], None] | None = None
+
+# A phase recorder sees graphscale's own time per backward while set
+# (benchmarks/overhead.py): phase_recorder(phase, seconds) for "prepare"
+# (the call read, factors, decision inputs), "walk+plan" (probe or plan),
+# "seeds" (seed scaling), "hooks on", "bind" (the graph task's binding),
+# "hooks off" (removal and unbinding), "hook calls" (inside the backward)
+# and "adapter" (engine.backward's wrapper around DeepSpeed's); a nested
+# backward's phases start with "nested ".  Torch's and DeepSpeed's own work is
+# in none of them.
+phase_recorder: Callable[[str, float], None] | None = None
+
+
+class Laps:
+    """Reports the time since the last lap to the phase recorder under a
+    phase's name; made only while one is set."""
+
+    __slots__ = ("record", "prefix", "t")
+
+    def __init__(self, record: Callable[[str, float], None], prefix: str = "") -> None:
+        self.record, self.prefix, self.t = record, prefix, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.record(self.prefix + phase, now - self.t)
+        self.t = now
+
+    def skip(self) -> None:
+        """Start the next lap now (what ran since is not graphscale's)."""
+        self.t = time.perf_counter()
+
+
+def laps(nested: bool = False) -> Laps | None:
+    record = phase_recorder
+    return None if record is None else Laps(record, "nested " if nested else "")

@@ -25,7 +25,7 @@ def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
 def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planner bug: every edge multiplication applied twice over."""
     real = _backward._post_hook
-    monkeypatch.setattr(_backward, "_post_hook", lambda mults: real(tuple((k, 2 * m) for k, m in mults)))
+    monkeypatch.setattr(_backward, "_post_hook", lambda mults, *rest: real(tuple((k, 2 * m) for k, m in mults), *rest))
 
 
 def test_a_right_scaling_passes_and_is_reported_per_group() -> None:

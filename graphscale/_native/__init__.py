@@ -21,7 +21,8 @@ cache ahead of time (a Dockerfile's ``RUN``), so even the first run is native.
 A failed build leaves the Python walker in charge and logs ONE warning on the
 ``graphscale`` logger naming the cause and the fix.
 
-``GRAPHSCALE_WALKER`` (read at every call) chooses: ``auto`` (the default,
+``GRAPHSCALE_WALKER`` (read at every ``install()``, by :func:`prepare`; a
+backward uses what the last one read) chooses: ``auto`` (the default,
 above), ``native`` (:func:`prepare`, hence ``install()``, waits for the build
 and raises :class:`~graphscale.GraphscaleError` if it fails, so no backward
 waits and none runs on Python), ``python`` (never build, never load).
@@ -64,15 +65,23 @@ _done = threading.Event()  # set once _module or _failed is final
 ready_seconds: float | None = None  # prepare() to ready: a cached load, or the background build
 
 
+_last_choice: tuple[str | None, str] = (None, "auto")  # (raw value, choice): the last one read
+
+
 def walker_choice() -> str:
     """The walker asked for by ``$GRAPHSCALE_WALKER`` (read at every call)."""
-    value = os.environ.get(WALKER_ENV, "auto").strip().lower() or "auto"
+    global _last_choice
+    raw = os.environ.get(WALKER_ENV)
+    if raw == _last_choice[0]:
+        return _last_choice[1]
+    value = (raw or "auto").strip().lower() or "auto"
     if value not in WALKER_CHOICES:
         from .._errors import ConfigurationError
 
         raise ConfigurationError(
             f"graphscale: {WALKER_ENV}={value!r}; expected one of {WALKER_CHOICES}."
         )
+    _last_choice = (raw, value)
     return value
 
 
@@ -109,7 +118,7 @@ def load() -> Any:
     ``native`` it is :func:`prepare` (which waits, and raises on failure).
     """
     module = _module
-    if module is not None and walker_choice() != "python":
+    if module is not None and _last_choice[1] != "python":  # the choice read at the last install()
         return module
     return prepare()
 

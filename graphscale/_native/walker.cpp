@@ -20,11 +20,12 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <typeinfo>
-#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -33,30 +34,32 @@ using torch::autograd::Node;
 
 namespace {
 
-// Node* -> dense index, open addressing (the walk's only per-node lookup).
-// Key and value share a 16-byte slot: a probe touches one cache line.
-class NodeIndex {
+// Pointer -> value, open addressing (the walk's only per-node lookup, and
+// the owned-leaf lookup).  Key and value share a 16-byte slot: a probe
+// touches one cache line.
+template <typename K, typename V>
+class PtrMap {
  public:
   void reserve(size_t n) {
     size_t cap = 64;
     while (cap < 2 * n) cap <<= 1;
-    slots_.assign(cap, Slot{nullptr, -1});
+    slots_.assign(cap, Slot{nullptr, V(-1)});
     mask_ = cap - 1;
     size_ = 0;
   }
-  // Index of `key`, or -1.
-  int64_t get(const Node* key) const {
-    if (slots_.empty()) return -1;
+  // Value of `key`, or -1.
+  V get(const K* key) const {
+    if (slots_.empty()) return V(-1);
     size_t h = hash(key) & mask_;
     while (true) {
       const Slot& s = slots_[h];
       if (s.key == key) return s.val;
-      if (s.key == nullptr) return -1;
+      if (s.key == nullptr) return V(-1);
       h = (h + 1) & mask_;
     }
   }
-  // Index of `key`; inserts `fresh` when absent (then *inserted = true).
-  int64_t get_or_insert(const Node* key, int64_t fresh, bool* inserted) {
+  // Value of `key`; inserts `fresh` when absent (then *inserted = true).
+  V get_or_insert(const K* key, V fresh, bool* inserted) {
     if (2 * (size_ + 1) > slots_.size()) grow();
     size_t h = hash(key) & mask_;
     while (true) {
@@ -75,13 +78,14 @@ class NodeIndex {
       h = (h + 1) & mask_;
     }
   }
+  size_t size() const { return size_; }
 
  private:
   struct Slot {
-    const Node* key;
-    int64_t val;
+    const K* key;
+    V val;
   };
-  static size_t hash(const Node* p) {
+  static size_t hash(const K* p) {
     uint64_t x = reinterpret_cast<uintptr_t>(p);
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdULL;
@@ -91,7 +95,7 @@ class NodeIndex {
   void grow() {
     std::vector<Slot> old = std::move(slots_);
     size_t cap = old.empty() ? 64 : old.size() * 2;
-    slots_.assign(cap, Slot{nullptr, -1});
+    slots_.assign(cap, Slot{nullptr, V(-1)});
     mask_ = cap - 1;
     size_ = 0;
     bool ins;
@@ -102,6 +106,8 @@ class NodeIndex {
   size_t mask_ = 0;
   size_t size_ = 0;
 };
+
+using NodeIndex = PtrMap<Node, int64_t>;  // Node* -> discovery position
 
 // The C++ Node behind a Python grad_fn object (borrowed), or nullptr.
 Node* node_of(PyObject* obj) {
@@ -114,15 +120,22 @@ Node* node_of(PyObject* obj) {
 
 bool is_accumulate_grad(const Node* n) { return typeid(*n) == typeid(AccumulateGrad); }
 // Custom-Function nodes.  PyNode's type_info is not exported by torch, so
-// compare the dynamic type's name, and remember its type_info once seen.
+// the dynamic type's name is compared, once per type: type_infos already
+// known not to be PyNode's sit in a small direct-mapped cache (a graph has a
+// few dozen node types; a miss only costs the comparison again).
 bool is_py_node(const Node* n) {
-  static const std::type_info* pynode = nullptr;
-  const std::type_info& ti = typeid(*n);
-  if (&ti == pynode) return true;
-  if (pynode != nullptr) return false;
-  if (std::strcmp(ti.name(), "N5torch8autograd6PyNodeE") != 0) return false;
-  pynode = &ti;
-  return true;
+  static std::atomic<const std::type_info*> pynode{nullptr};
+  static thread_local const std::type_info* not_py[64] = {};
+  const std::type_info* ti = &typeid(*n);
+  if (ti == pynode.load(std::memory_order_relaxed)) return true;
+  const size_t slot = (reinterpret_cast<uintptr_t>(ti) >> 4) & 63;
+  if (not_py[slot] == ti) return false;
+  if (std::strcmp(ti->name(), "N5torch8autograd6PyNodeE") == 0) {
+    pynode.store(ti, std::memory_order_relaxed);
+    return true;
+  }
+  not_py[slot] = ti;
+  return false;
 }
 
 py::object py_of(Node* n) {
@@ -134,14 +147,25 @@ py::object py_of(Node* n) {
 // (graphscale/_state.py UNOWNED_POLICIES, in that order).
 enum Policy : int { kAny = 0, kPlainParams = 1, kPlain = 2 };
 
-// Is `var` an nn.Parameter?  (Asks Python: only for unowned leaves.)
+// Is `var` an nn.Parameter, as isinstance(var, nn.Parameter) says?  Only
+// unowned leaves are asked.  Parameter's metaclass answers isinstance in
+// Python (also True for a tensor flagged _is_param); the C type check first
+// spares that call for real Parameters, the flag is read for the others.
 bool is_parameter(const at::Tensor& var, py::handle param_type) {
   PyObject* obj = THPVariable_Wrap(var);
   if (obj == nullptr) throw py::error_already_set();
-  int isparam = PyObject_IsInstance(obj, param_type.ptr());
+  bool isparam = PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(param_type.ptr()));
+  if (!isparam) {
+    PyObject* flag = PyObject_GetAttrString(obj, "_is_param");
+    if (flag == nullptr) {
+      PyErr_Clear();
+    } else {
+      isparam = PyObject_IsTrue(flag) == 1;
+      Py_DECREF(flag);
+    }
+  }
   Py_DECREF(obj);
-  if (isparam < 0) throw py::error_already_set();
-  return isparam != 0;
+  return isparam;
 }
 
 }  // namespace
@@ -149,12 +173,17 @@ bool is_parameter(const at::Tensor& var, py::handle param_type) {
 // Owned leaves of the installed groups: TensorImpl* -> group position.
 // Built once per installed state, reused by every backward.
 struct Owners {
-  std::unordered_map<const c10::TensorImpl*, int> group_of;
+  PtrMap<c10::TensorImpl, int64_t> group_of;  // -1: not owned
   Owners(const std::vector<uintptr_t>& impls, const std::vector<int>& groups) {
     if (impls.size() != groups.size()) throw std::invalid_argument("graphscale: Owners sizes differ");
-    group_of.reserve(impls.size() * 2);
+    group_of.reserve(impls.size());
+    bool ins;
     for (size_t i = 0; i < impls.size(); ++i)
-      group_of.emplace(reinterpret_cast<const c10::TensorImpl*>(impls[i]), groups[i]);
+      group_of.get_or_insert(reinterpret_cast<const c10::TensorImpl*>(impls[i]), groups[i], &ins);
+  }
+  // The group position owning the leaf `acc` accumulates into, or -1.
+  int64_t group(const Node* acc) const {
+    return group_of.get(static_cast<const AccumulateGrad*>(acc)->variable.unsafeGetTensorImpl());
   }
 };
 
@@ -187,8 +216,10 @@ struct NativePlan {
   // What the backward reached: owned leaves, and per group position whether
   // any of its leaves; unowned nn.Parameter leaves (counted where the policy
   // or a nested backward asks; their discovery positions).
+  std::vector<int64_t> phase_ns;  // Clock: discover, pin, order, bottom_up, top_down, multipliers
   int64_t owned_leaves = 0;
-  int64_t custom_nodes = 0;  // custom-Function nodes: they may run a nested backward over hidden leaves
+  int64_t custom_nodes = 0;
+  bool tensor_hooks = false;  // some non-leaf node has tensor hooks (a DeepSpeed output hook among them?)  // custom-Function nodes: they may run a nested backward over hidden leaves
   std::vector<char> reached;
   std::vector<int64_t> unowned_param_pos;
 
@@ -274,11 +305,26 @@ struct Request {
 // same thread (a Python callback reentering) takes fresh ones.
 struct Scratch {
   std::vector<int32_t> kid_start, kids, indeg, order, pinned, choice, vote_at, tallies;
+  std::vector<int32_t> leaves, customs;  // discovery positions of AccumulateGrad and custom-Function nodes
+  std::vector<int64_t> leaf_group;       // per entry of leaves: owning group position, or -1
   std::vector<char> is_leaf, pin_kind, has_pin, enclosed, mark, set;
   std::vector<double> pin_value;
   std::vector<int> pin_bit;
   std::vector<uint64_t> reach;
   bool busy = false;
+};
+
+// Nanoseconds of each phase of a plan (NativePlan.phase_ns: discover, pin,
+// order, bottom_up, top_down, multipliers), for graphscale's phase recorder.
+struct Clock {
+  std::vector<int64_t>& out;
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  explicit Clock(std::vector<int64_t>& o) : out(o) {}
+  void lap() {
+    auto now = std::chrono::steady_clock::now();
+    out.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count());
+    last = now;
+  }
 };
 
 // One plan, in phases: discover -> pin -> order -> bottom_up -> top_down ->
@@ -298,16 +344,24 @@ class Planner {
     P.reached.assign(R.factors.size(), 0);
     P.hint = R.hint;
     P.base = R.base;
+    Clock clock(P.phase_ns);
     discover(root_nodes, index_guess);
+    clock.lap();
     P.seeds.assign(root_nodes.size(), 1.0);
-    if (pin()) {  // every pin equals base: every potential is base, nothing multiplied
+    const bool trivial = pin();
+    clock.lap();
+    if (trivial) {  // every pin equals base: every potential is base, nothing multiplied
       P.phi_disc.assign(n_, R.base);
       return;
     }
     order();
+    clock.lap();
     bottom_up();
+    clock.lap();
     top_down();
+    clock.lap();
     multipliers(root_nodes);
+    clock.lap();
   }
 
  private:
@@ -342,6 +396,9 @@ class Planner {
     kid_start.clear();
     kids.clear();
     is_leaf.clear();
+    S.leaves.clear();
+    S.leaf_group.clear();
+    S.customs.clear();
     constexpr size_t kAhead = 8;  // prefetch distance: the walk is bound by memory latency on a fresh graph
     for (size_t i = 0; i < found.size(); ++i) {
       if (i + kAhead < found.size()) {
@@ -351,12 +408,18 @@ class Planner {
       Node* node = found[i];
       kid_start.push_back(static_cast<int32_t>(kids.size()));
       const auto& next = node->next_edges();
-      // AccumulateGrad has no next edges: test the type only where there are none.
+      // AccumulateGrad has no next edges: test the type only where there are
+      // none.  Everything pin() needs of a node is read here, while the node
+      // is in cache: its owner (leaves), whether it is a custom Function.
       if (next.empty() && is_accumulate_grad(node)) {
         is_leaf.push_back(1);
+        S.leaves.push_back(static_cast<int32_t>(i));
+        S.leaf_group.push_back(R.owners->group(node));
         continue;
       }
       is_leaf.push_back(0);
+      if (is_py_node(node)) S.customs.push_back(static_cast<int32_t>(i));
+      if (!P.tensor_hooks && !node->tensor_pre_hooks().empty()) P.tensor_hooks = true;
       for (const auto& e : next) {
         Node* nxt = e.function.get();
         if (nxt == nullptr) {
@@ -418,27 +481,25 @@ class Planner {
       if (v != R.base) trivial = false;
     };
     const bool want_hint = !R.hint.is_none();
-    for (int32_t o = 0; o < n; ++o) {
-      if (!S.is_leaf[o]) {
-        if (!is_py_node(found[o])) continue;
-        ++P.custom_nodes;
-        if (want_hint) {
-          py::object v = R.hint(py_of(found[o]));
-          if (!v.is_none()) {
-            pin_kind[o] = 2;
-            put(o, v.cast<double>());
-          }
+    P.custom_nodes = static_cast<int64_t>(S.customs.size());
+    if (want_hint) {
+      for (int32_t o : S.customs) {
+        py::object v = R.hint(py_of(found[o]));
+        if (!v.is_none()) {
+          pin_kind[o] = 2;
+          put(o, v.cast<double>());
         }
-        continue;
       }
-      const auto& var = static_cast<AccumulateGrad*>(found[o])->variable;
-      auto it = R.owners->group_of.find(var.unsafeGetTensorImpl());
+    }
+    for (size_t k = 0; k < S.leaves.size(); ++k) {
+      const int32_t o = S.leaves[k];
+      const int64_t g = S.leaf_group[k];
       double v;
-      if (it != R.owners->group_of.end()) {
-        v = R.factors.at(it->second);
+      if (g >= 0) {
+        v = R.factors.at(g);
         ++P.owned_leaves;
-        P.reached[it->second] = 1;
-      } else if (!unowned_pin(o, var, &v)) {
+        P.reached[g] = 1;
+      } else if (!unowned_pin(o, static_cast<AccumulateGrad*>(found[o])->variable, &v)) {
         continue;
       }
       pin_kind[o] = 1;
@@ -786,7 +847,7 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
     const auto& next = node->next_edges();
     if (next.empty() && is_accumulate_grad(node)) {
       const auto& var = static_cast<AccumulateGrad*>(node)->variable;
-      if (owners.group_of.count(var.unsafeGetTensorImpl())) {
+      if (owners.group(node) >= 0) {
         owned = true;
         if (policy == kAny) result = 1;
       } else if (policy == kPlain || (policy == kPlainParams && is_parameter(var, param_type))) {
@@ -846,6 +907,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("base", &NativePlan::base)
       .def_readonly("owned_leaves", &NativePlan::owned_leaves)
       .def_readonly("custom_nodes", &NativePlan::custom_nodes)
+      .def_readonly("tensor_hooks", &NativePlan::tensor_hooks)
+      .def_readonly("phase_ns", &NativePlan::phase_ns)
       .def_property_readonly("unowned_params", [](const NativePlan& p) { return static_cast<int64_t>(p.unowned_param_pos.size()); })
       .def("groups_reached", &NativePlan::groups_reached)
       .def("unowned_parameters", &NativePlan::unowned_parameters)
