@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
-import importlib
 import importlib.util
 import io
 import json
@@ -89,60 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- private library names
-# The benchmark reads a few private names (the walk recorder, the Python
-# planner) that the restructuring of issue 9 moves between modules; each is
-# looked up in its new home first, then its old one.  (module, attribute):
-WALK_RECORDER = (("_state", "walk_recorder"), ("_backward", "_walk_recorder"))
-# Not in the library yet: phase_recorder(phase, seconds), NOTE [ Per-backward breakdown ].
-PHASE_RECORDER = (("_state", "phase_recorder"), ("_backward", "_phase_recorder"))
-
-
-def graphscale_module(name: str) -> Any:
-    """``graphscale.<name>`` when that file is part of the graphscale package
-    this process imported, else None.  (An editable install of another
-    checkout can otherwise lend a submodule this checkout does not have.)"""
-    import graphscale
-
-    if not os.path.exists(os.path.join(os.path.dirname(graphscale.__file__), name + ".py")):
-        return None
-    return importlib.import_module(f"graphscale.{name}")
-
-
-@functools.lru_cache(maxsize=None)
-def library_home(homes: tuple[tuple[str, str], ...]) -> tuple[Any, str] | None:
-    """The first (module, attribute) of ``homes`` that exists, or None."""
-    for mod_name, attr in homes:
-        mod = graphscale_module(mod_name)
-        if mod is not None and hasattr(mod, attr):
-            return mod, attr
-    return None
-
-
+# ----------------------------------------------------------------------------- graphscale's observation points
 @contextlib.contextmanager
 def recorders(walk: Callable[[int, float, int], None] | None,
               phase: Callable[[str, float], None] | None = None) -> Iterator[None]:
-    """Set graphscale's walk recorder (and its per-phase recorder, where the
-    library has one) for the duration; always unset them."""
-    pairs = [(library_home(WALK_RECORDER), walk), (library_home(PHASE_RECORDER), phase)]
-    live = [(home, fn) for home, fn in pairs if home is not None and fn is not None]
-    for (mod, attr), fn in live:
-        setattr(mod, attr, fn)
+    """Set graphscale's walk recorder and phase recorder (graphscale/_state.py)
+    for the duration; always unset them."""
+    from graphscale import _state
+
+    _state.walk_recorder, _state.phase_recorder = walk, phase
     try:
         yield
     finally:
-        for (mod, attr), _ in live:
-            setattr(mod, attr, None)
-
-
-def python_planner() -> tuple[Callable[[], Any], Callable[[Any, Any, Any], Any]]:
-    """(current installed snapshot, plan(loss, state, factors)) of the Python
-    reference planner, before or after issue 9's split of _backward.py."""
-    planning, state = graphscale_module("_planning"), graphscale_module("_state")
-    if planning is not None and state is not None and hasattr(planning, "PlanRequest"):
-        return state.current, lambda loss, st, f: planning.build_plan([loss], planning.PlanRequest(st, f))
-    backward = graphscale_module("_backward")
-    return backward.current_state, lambda loss, st, f: backward.build_plan([loss], st, f)
+        _state.walk_recorder = _state.phase_recorder = None
 
 
 # ----------------------------------------------------------------------------- models
@@ -513,15 +470,16 @@ def python_walk_ns(wl: Workload, loss: Any) -> float:
     """ns per node of the Python reference walker + planner on this graph."""
     import graphscale
 
-    current_state, build_plan = python_planner()
+    from graphscale import _planning, _state
+
     with graphscale.install(*wl.engines):
-        state = current_state()
+        state = _state.current()
         assert state is not None
-        factors = {g: g.factor() for g in state.groups}
+        request = _planning.PlanRequest(state, state.read_factors())
         best = math.inf
         for _ in range(3):
             t0 = time.perf_counter()
-            plan = build_plan(loss, state, factors)
+            plan = _planning.build_plan([loss], request)
             best = min(best, time.perf_counter() - t0)
     return best / len(plan.graph) * 1e9
 
@@ -606,33 +564,16 @@ def run_row(torch: Any, wl_name: str, wl: Workload, size: Size, layers: int, rep
 
 # ----------------------------------------------------------------------------- fixed per-backward cost
 # NOTE [ Per-backward breakdown ]
-# graphscale's own time in one walked backward is measured, not profiled: the
-# median over many interleaved rounds of (graphscale's backward - DeepSpeed
-# alone's backward in the same round), on the same graph.  Each round runs
-# three backwards of fresh forwards, in rotating order:
-#   deepspeed   DeepSpeed alone;
-#   graphscale  installed; its walk recorder times walk+plan inside the backward;
-#   replica     DeepSpeed alone plus what graphscale adds around the backward,
-#               re-created from graphscale.explain's plan and timed one by one
-#               right after the forward (the cache state graphscale meets):
-#               the scaled seed op (torch.full_like of the loss), one post hook
-#               per hooked node registered with the plan's multipliers, the
-#               backward with those hooks, the hooks removed.
-# The split of the measured difference:
-#   walk+plan        the walk recorder (native walk and plan);
-#   seed scaling     the replica's seed op(s);
-#   hook reg+rm      the replica's registration + removal;
-#   hook calls       replica backward - DeepSpeed alone's, same round: the
-#                    Python post hooks and their multiplications inside torch;
-#   everything else  the rest: the adapter's engine.backward wrapper, the
-#                    governed backward's Python (normalise, read factors,
-#                    snapshot, bookkeeping, the loss / GAS it returns), minus
-#                    the implicit seed torch no longer makes.
-# Where the library offers a per-phase recorder (phase_recorder(phase,
-# seconds), see PHASE_RECORDER), the breakdown reports the library's own
-# phases instead, and "everything else" is the measured difference minus
-# their sum.  A near-free graph (two one-Linear engines) gives the same split
-# where the backward itself costs almost nothing: the fixed part alone.
+# graphscale's own time in one walked backward, measured two ways in the
+# same interleaved rounds on the same graph: the median of (graphscale's
+# backward - DeepSpeed alone's backward in the same round), and graphscale's
+# phase recorder (graphscale/_state.py phase_recorder: its own Python and
+# native work by phase, torch's and DeepSpeed's excluded).  "everything
+# else" is the measured difference minus the recorded phases: what
+# graphscale's presence costs inside torch and DeepSpeed (the output-hook
+# redirect, the cache lines the walk takes), plus noise.  A near-free graph
+# (two one-Linear engines) gives the same split where the backward itself
+# costs almost nothing: the fixed part alone.
 
 
 @dataclass
@@ -644,72 +585,10 @@ class Breakdown:
     hooked_nodes: int = 0
     multiplications: int = 0
     per_round_us: dict[str, list[float]] = field(default_factory=dict)
-    library_phases: list[dict[str, float]] = field(default_factory=list)  # per round, us, where recorded
+    library_phases: list[dict[str, float]] = field(default_factory=list)  # per round, us
     phases_us: dict[str, float] = field(default_factory=dict)
     notch_us: dict[str, float] = field(default_factory=dict)  # +- of a median of paired differences
-    source: str = ""
-
-
-def replica_of(plan: Any) -> tuple[list[float], list[tuple[int, str, tuple[tuple[int, float], ...]]]]:
-    """From an explained plan: the seed multipliers, and (node index in walk
-    order, node type, ((edge, multiplier), ...)) per hooked node."""
-    seeds = [m.multiplier for m in plan.multiplications if m.kind == "seed"]
-    edges: dict[str, list[tuple[int, float]]] = {}
-    for m in plan.multiplications:
-        if m.kind == "edge":
-            edges.setdefault(m.node, []).append((m.edge, m.multiplier))
-    hooks = []
-    for name, mults in edges.items():
-        kind, index = name.rsplit("#", 1)
-        hooks.append((int(index), kind, tuple(mults)))
-    return seeds, hooks
-
-
-def multiplying_hook(mults: tuple[tuple[int, float], ...]) -> Callable[..., Any]:
-    """A Node post hook multiplying ``grad_inputs[k]`` by ``m``, as graphscale's does."""
-
-    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        out = list(grad_inputs)
-        for k, m in mults:
-            if out[k] is not None:
-                out[k] = out[k] * m
-        return tuple(out)
-
-    return hook
-
-
-def run_replica(torch: Any, wl: Workload, loss: Any, seeds: list[float],
-                hooks: list[tuple[int, str, tuple[tuple[int, float], ...]]], device: str) -> dict[str, float]:
-    """DeepSpeed alone plus graphscale's seed op and hooks, each timed (us)."""
-    from graphscale._walk import walk
-
-    nodes = walk([loss.grad_fn]).nodes
-    targets = []
-    for index, kind, mults in hooks:
-        node = nodes[index]
-        if type(node).__name__ != kind:
-            raise RuntimeError(f"benchmarks/overhead.py: explain's node #{index} is {kind}, the walk's is "
-                               f"{type(node).__name__}; the replica needs explain's walk order")
-        targets.append((node, mults))
-    gc.disable()
-    try:
-        sync(torch, device)
-        t0 = time.perf_counter()
-        for m in seeds:
-            torch.full_like(loss, m, memory_format=torch.preserve_format)
-        t1 = time.perf_counter()
-        handles = [node.register_hook(multiplying_hook(mults)) for node, mults in targets]
-        t2 = time.perf_counter()
-        wl.caller.backward(loss)
-        sync(torch, device)
-        t3 = time.perf_counter()
-        for h in handles:
-            h.remove()
-        t4 = time.perf_counter()
-    finally:
-        gc.enable()
-    return {"seed_us": (t1 - t0) * 1e6, "register_us": (t2 - t1) * 1e6, "backward_us": (t3 - t2) * 1e6,
-            "remove_us": (t4 - t3) * 1e6}
+    source: str = "graphscale's phase recorder"
 
 
 def measure_breakdown(torch: Any, graph: str, wl: Workload, rounds: int, device: str) -> Breakdown:
@@ -721,8 +600,9 @@ def measure_breakdown(torch: Any, graph: str, wl: Workload, rounds: int, device:
     bd = Breakdown(graph=graph, nodes=count_nodes(loss), rounds=rounds)
     with graphscale.install(*wl.engines):
         plan = graphscale.explain(loss)
-    seeds, hooks = replica_of(plan)
-    bd.seeds, bd.hooked_nodes, bd.multiplications = len(seeds), len(hooks), len(plan.multiplications)
+    bd.seeds = sum(1 for m in plan.multiplications if m.kind == "seed")
+    bd.hooked_nodes = len({m.node for m in plan.multiplications if m.kind == "edge"})
+    bd.multiplications = len(plan.multiplications)
     del loss, plan
 
     events: dict[str, float] = {}
@@ -730,49 +610,28 @@ def measure_breakdown(torch: Any, graph: str, wl: Workload, rounds: int, device:
     def phase(name: str, seconds: float) -> None:
         events[name] = events.get(name, 0.0) + seconds
 
-    keys = ("deepspeed_us", "graphscale_us", "walk_us", "replica_seed_us", "replica_register_us",
-            "replica_backward_us", "replica_remove_us")
-    per = bd.per_round_us = {k: [] for k in keys}
-    variants = ("deepspeed", "graphscale", "replica")
+    per = bd.per_round_us = {"deepspeed_us": [], "graphscale_us": []}
+    variants = ("deepspeed", "graphscale")
     for rnd in range(2 + rounds):
         got: dict[str, float] = {}
         events.clear()
-        for name in variants[rnd % 3:] + variants[: rnd % 3]:
-            batch = wl.batch(gen)
-            if name == "replica":
-                for k, v in run_replica(torch, wl, wl.loss(batch, False), seeds, hooks, device).items():
-                    got["replica_" + k] = v
-                continue
+        for name in variants[rnd % 2:] + variants[: rnd % 2]:
             with Impl(name, wl) as impl:
-                loss = wl.loss(batch, False)
-                dt, records = timed_backward(torch, impl, loss, device, phase)
+                loss = wl.loss(wl.batch(gen), False)
+                dt, _ = timed_backward(torch, impl, loss, device, phase)
                 del loss
             got[name + "_us"] = dt * 1e6
-            if name == "graphscale":
-                got["walk_us"] = sum(r[1] for r in records) * 1e6
         if rnd >= 2:
-            for k in keys:
+            for k in per:
                 per[k].append(got[k])
-            if events:
-                bd.library_phases.append({k: v * 1e6 for k, v in events.items()})
+            bd.library_phases.append({k: v * 1e6 for k, v in events.items()})
     zero_grads(wl.engines)
 
     extra_rounds = [g - d for g, d in zip(per["graphscale_us"], per["deepspeed_us"])]
     extra = med(extra_rounds)
     bd.notch_us["total (measured)"] = median_notch(extra_rounds)
-    if bd.library_phases:
-        bd.source = "graphscale's per-phase recorder"
-        names = sorted({k for r in bd.library_phases for k in r})
-        bd.phases_us = {k: med([r.get(k, 0.0) for r in bd.library_phases]) for k in names}
-    else:
-        bd.source = "walk recorder + a replica of graphscale's seed op and hooks (NOTE [ Per-backward breakdown ])"
-        bd.phases_us = {
-            "walk+plan": med(per["walk_us"]),
-            "seed scaling": med(per["replica_seed_us"]),
-            "hook reg+rm": med([a + b for a, b in zip(per["replica_register_us"], per["replica_remove_us"])]),
-            "hook calls": med([r - d for r, d in zip(per["replica_backward_us"], per["deepspeed_us"])]),
-        }
-        bd.notch_us["hook calls"] = median_notch([r - d for r, d in zip(per["replica_backward_us"], per["deepspeed_us"])])
+    names = sorted({k for r in bd.library_phases for k in r})
+    bd.phases_us = {k: med([r.get(k, 0.0) for r in bd.library_phases]) for k in names}
     bd.phases_us["everything else"] = extra - sum(bd.phases_us.values())
     bd.phases_us["total (measured)"] = extra
     return bd

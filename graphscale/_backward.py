@@ -246,7 +246,7 @@ def decide(roots: Sequence[Any], state: State, factors: Mapping[Group, float], i
 def _carries(roots: Sequence[Any], default: float) -> list[float]:
     """What each root's seed carries already: ``default`` (an fp16
     ``engine.backward``'s loss scale), or a tag left by ``engine.scale``."""
-    return [getattr(t, _state.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
+    return [t.__dict__.get(_state.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
 
 
 # ---------------------------------------------------------------- the backward

@@ -66,7 +66,10 @@ from ._errors import GraphscaleError
 from ._group import UNSET, Group
 from ._state import CARRIES_ATTR, backward_state, engine_backward, laps
 
-__all__ = ["is_engine", "attach", "EngineGroup", "loss_scale", "zero_stage", "prologues_held"]
+__all__ = [
+    "is_engine", "attach", "EngineGroup", "loss_scale", "scale_reader", "zero_stage", "prologues_held",
+    "is_output_hooked",
+]
 
 _lock = threading.Lock()
 _attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
@@ -219,6 +222,13 @@ class _Governed:
         if state is not None and id(self.native.__self__) in state.engines:  # type: ignore[attr-defined]
             return grad  # graphscale places the factor at the engine's leaves
         return self.native(grad)
+
+
+def is_output_hooked(tensor: torch.Tensor) -> bool:
+    """Whether one of DeepSpeed's output hooks sits on ``tensor`` itself."""
+    hooks = tensor._backward_hooks
+    return hooks is not None and any(getattr(h, "__qualname__", "").startswith("OutputBackwardHookManager.")
+                                     for h in hooks.values())
 
 
 class _PerTensorRedirect:

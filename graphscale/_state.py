@@ -328,13 +328,19 @@ def governing_state() -> State | None:
 _by_task: dict[int, State] = {}  # graph task id -> snapshot, while that backward runs
 
 
+def _output_hooked(t: torch.Tensor) -> bool:
+    from ._deepspeed import is_output_hooked  # an engine's output hook on this very tensor?
+
+    return is_output_hooked(t)
+
+
 class bound:
     """Bind the graph task of a backward of ``roots`` to ``state`` while it
     runs (NOTE [ Which snapshot an output hook obeys ]); ``with`` yields the
-    roots to hand to torch.  The binding hook must be the first thing the
-    task runs: a node pre-hook on a root's node comes after that node's
-    tensor hooks, so a root tensor with hooks of its own (an engine's output,
-    such as a Hugging Face model's ``loss``) is replaced by a view of itself,
+    roots to hand to torch.  The binding hook must run before any output hook
+    that asks for the binding: a node pre-hook on a root's node comes after
+    that node's tensor hooks, so a root that is itself an engine's output
+    (such as a Hugging Face model's ``loss``) is replaced by a view of itself,
     whose node is new; other roots keep their node and get the pre-hook."""
 
     __slots__ = ("roots", "state", "tasks", "handles")
@@ -360,7 +366,7 @@ class bound:
                 if isinstance(t, GradientEdge):
                     node = t.node
                 elif isinstance(t, torch.Tensor):
-                    if t._backward_hooks and t.layout == torch.strided and not t.is_nested:
+                    if t._backward_hooks and _output_hooked(t) and t.layout == torch.strided and not t.is_nested:
                         t = t.view_as(t)  # its node dies with the graph: no handle to keep
                         t.grad_fn.register_prehook(self._bind)  # type: ignore[union-attr]
                     else:
