@@ -32,7 +32,7 @@ import torch
 from . import _state
 from ._backward import normalize
 from ._errors import AuditError, GraphscaleError
-from ._group import Group
+from ._group import Group, spec_reads
 from ._planning import root_node
 from ._render import format_table
 from ._state import State
@@ -145,7 +145,8 @@ class Audit:
             return run(*args)  # no seed for a non-scalar root: torch raises its own error
         _check_supported(state)
         scaling = _state.gas_scaling_enabled()
-        factors = {g: _expected_factor(g, scaling) for g in state.groups}
+        reads = {g: g.read_spec() for g in state.groups}  # once: the backward reuses them (spec_reads)
+        factors = {g: _expected_factor(g, reads[g], scaling) for g in state.groups}
         leaves = _leaves(roots, inputs)
         if not leaves:
             return run(*args)
@@ -160,7 +161,8 @@ class Audit:
                 "use_reentrant=False, or outside the checkpointed model. No gradient was touched."
             ) from exc
         before = [None if p.grad is None else p.grad.detach().clone() for p in leaves]
-        run(*args)
+        with spec_reads(reads):
+            run(*args)
         self.backwards += 1
         self._compare(state, factors, leaves, ref, before)
 
@@ -328,12 +330,13 @@ def _leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
     return out
 
 
-def _expected_factor(group: Group, scaling: bool) -> float:
-    """The factor the contract promises ``group``, read from its configuration
-    on a path of its own (1 / gas, not the planner's ``factor()``), so that a
-    wrong factor shows; times an fp16 engine's loss scale."""
-    gas = group.gas()
-    factor = (1.0 / gas if gas is not None else group.factor()) if scaling else 1.0
+def _expected_factor(group: Group, spec: tuple[str, float], scaling: bool) -> float:
+    """The factor the contract promises ``group``, from its configuration as
+    read for this backward (``spec``: ("gas", GAS) or ("factor", factor)), on
+    a path of its own (not the planner's ``factor()``), so that a wrong factor
+    shows; times an fp16 engine's loss scale."""
+    kind, value = spec
+    factor = (1.0 / value if kind == "gas" else value) if scaling else 1.0
     engine = getattr(group, "engine", None)
     if engine is None:
         return factor

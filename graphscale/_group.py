@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from numbers import Real
@@ -18,7 +19,7 @@ import torch
 
 from ._errors import GraphscaleError
 
-__all__ = ["Group"]
+__all__ = ["Group", "spec_reads"]
 
 GasSpec = Union[int, Callable[[], int]]
 FactorSpec = Union[float, Callable[[], float]]
@@ -46,8 +47,12 @@ def _check_gas_value(value: object, where: str) -> int:
 
 
 def _check_factor_value(value: object, where: str) -> float:
-    """Return ``value`` as a float if it is a positive finite real number, else
-    raise ValueError naming ``where``."""
+    """Return ``value`` as a float if it is a positive finite real number (or a
+    one-element tensor holding one, e.g. Hugging Face's ``num_items_in_batch``;
+    read with ``.item()``, a device sync on a GPU), else raise ValueError
+    naming ``where``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        value = value.item()
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(
             f"graphscale: {where} must be a positive finite number (what the group's gradients are "
@@ -57,6 +62,32 @@ def _check_factor_value(value: object, where: str) -> float:
     if not (math.isfinite(f) and f > 0.0):
         raise ValueError(f"graphscale: {where} must be a positive finite number, got {value!r}.")
     return f
+
+
+def _named(name: str | None) -> str:
+    return f" of group {name!r}" if name is not None else ""
+
+
+# The values graphscale.audit read for this backward (spec_reads).
+_frame = threading.local()
+
+
+class spec_reads:
+    """Within the block, :meth:`Group.read_spec` of the groups in ``reads``
+    returns the value read there (graphscale.audit reads each group's
+    configuration once, for its own expectation and for the backward)."""
+
+    __slots__ = ("reads", "saved")
+
+    def __init__(self, reads: dict[Group, tuple[str, float]]) -> None:
+        self.reads, self.saved = reads, None
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_frame, "reads", None)
+        _frame.reads = self.reads
+
+    def __exit__(self, *exc: object) -> None:
+        _frame.reads = self.saved
 
 
 def _read(spec: Callable[[], Any], what: str, group: str) -> Any:
@@ -161,17 +192,20 @@ class Group:
         self._module = weakref.ref(module_or_params) if isinstance(module_or_params, torch.nn.Module) else None
         if gas is not UNSET and factor is not UNSET:
             raise TypeError("graphscale: Group takes gas= or factor=, not both (factor is what 1 / gas would be).")
+        if factor is None:
+            raise ValueError(f"graphscale: Group(factor=None){_named(name)}: factor must be a positive finite number "
+                             "or a callable returning one; leave it out for 1 / gas.")
         self._gas: Any = 1 if gas is UNSET and factor is UNSET else gas
         self._factor: Any = None if factor is UNSET else factor
         if self._factor is not None:
             if callable(factor):
                 self._factor_key: object = ("factor-callable", id(factor))
             else:
-                self._factor_key = ("factor", _check_factor_value(factor, "Group(factor=...)"))
+                self._factor_key = ("factor", _check_factor_value(factor, f"Group(factor=...){_named(name)}"))
         elif callable(self._gas):
             self._factor_key = ("callable", id(self._gas))
         else:
-            self._factor_key = ("int", _check_gas_value(self._gas, "Group(gas=...)"))
+            self._factor_key = ("int", _check_gas_value(self._gas, f"Group(gas=...){_named(name)}"))
         self.name = name if name is not None else f"{default_name}#{next(_counter)}"
         unique: dict[int, tuple[str, torch.Tensor]] = {}
         for pname, p in named:
@@ -189,25 +223,38 @@ class Group:
         """The leaves this group owns, in module order, without duplicates."""
         return self._params
 
+    def read_spec(self) -> tuple[str, float]:
+        """The group's configuration read now: ``("gas", GAS)`` or
+        ``("factor", factor)``; a callable is called once and its value
+        checked.  Inside :func:`spec_reads` (graphscale.audit) the value it
+        read for this backward is returned instead, so a callable is called
+        once per backward, audited or not."""
+        reads = getattr(_frame, "reads", None)
+        if reads is not None:
+            hit = reads.get(self)
+            if hit is not None:
+                return hit  # type: ignore[no-any-return]
+        spec = self._factor
+        if spec is not None:
+            value = _read(spec, "factor", self.name) if callable(spec) else spec
+            where = f"the factor callable of group {self.name!r}" if callable(spec) else "Group(factor=...)"
+            return "factor", _check_factor_value(value, where)
+        spec = self._gas
+        if callable(spec):
+            return "gas", _check_gas_value(_read(spec, "gas", self.name), f"the gas callable of group {self.name!r}")
+        return "gas", spec
+
     def gas(self) -> int | None:
         """Read the gradient-accumulation steps now (calls ``gas`` if callable);
         None for a group made with ``factor=``."""
-        if self._factor is not None:
-            return None
-        spec = self._gas
-        if callable(spec):
-            return _check_gas_value(_read(spec, "gas", self.name), f"the gas callable of group {self.name!r}")
-        return spec  # type: ignore[no-any-return]
+        kind, value = self.read_spec()
+        return int(value) if kind == "gas" else None
 
     def factor(self) -> float:
         """What every owned leaf's gradient is multiplied by, read now:
         ``factor`` if given (called if callable), else ``1 / gas()``."""
-        spec = self._factor
-        if spec is None:
-            return 1.0 / self.gas()  # type: ignore[operator]
-        if callable(spec):
-            return _check_factor_value(_read(spec, "factor", self.name), f"the factor callable of group {self.name!r}")
-        return float(spec)
+        kind, value = self.read_spec()
+        return 1.0 / value if kind == "gas" else value
 
     def pin(self, scaling: bool = True) -> float:
         """What this backward multiplies the group's leaves by: ``factor()``

@@ -76,7 +76,7 @@ def _own(owner: dict[int, Group], p: torch.Tensor, g: Group, name: str) -> None:
             f"graphscale: parameter {name!r} (shape {tuple(p.shape)}) is in group "
             f"{prev.name!r} and in group {g.name!r}, whose factors (gradient-accumulation steps) "
             "may differ, so no single factor is right for it. Put it in one group only, or give "
-            "both groups the same gas."
+            "both groups the same gas (or factor)."
         )
 
 
