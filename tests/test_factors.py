@@ -20,7 +20,7 @@ import copy
 import math
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +157,6 @@ def _factor_of(models: Models, specs: dict[str, Spec]) -> dict[str, float]:
     return {f"{n}.{pn}": specs[n].factor for n, m in models.items() for pn, _ in m.named_parameters()}
 
 
-
 @contextmanager
 def recording() -> Iterator[list[tuple[int, int]]]:
     """Every governed backward's (nodes walked, multiplications), through the
@@ -217,22 +216,32 @@ class Reads:
         return self.value
 
 
-def _checkpointed(m: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+# Each path returns (loss, out): the backward's root and the tensor whose hook
+# changes the factor in the middle of the backward, before a's nodes run.
+def _fast_path(a: Net, b: Net, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = a(x) + a.sub(x)  # one group: the seed is scaled, nothing walked
+    return out.square().sum(), out
+
+
+def _walked(a: Net, b: Net, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = a(x)  # two factors: walked and planned
+    return (out + b(x)).square().sum(), out
+
+
+def _nested_reentrant_checkpoint(a: Net, b: Net, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a inside reentrant checkpointing on b's output: a's leaves are reached
+    by a nested backward, which starts after the hook on ``out`` has run."""
     import torch.utils.checkpoint as tc
 
-    return tc.checkpoint(m, h, use_reentrant=True)
+    out = tc.checkpoint(a, b(x), use_reentrant=True)
+    return out.square().sum(), out
 
 
-# path -> (uses b, the loss from (a, b, x) and the tensor whose hook changes the factor mid-backward)
-PATHS: dict[str, tuple[bool, Callable[..., tuple[torch.Tensor, torch.Tensor]]]] = {
-    # one group: the seed is scaled, nothing walked
-    "fast_path": (False, lambda a, b, x: (lambda out: (out.square().sum(), out))(a(x) + a.sub(x))),
-    # two factors: walked and planned
-    "walked": (True, lambda a, b, x: (lambda out: ((out + b(x)).square().sum(), out))(a(x))),
-    # a inside reentrant checkpointing on b's output: a's leaves are reached by a
-    # nested backward that starts after the hook below has run
-    "nested_reentrant_checkpoint": (True, lambda a, b, x: (lambda out: (out.square().sum(), out))(
-        _checkpointed(a, b(x)))),
+# path -> (b is a group, the graph)
+PATHS: dict[str, tuple[bool, Callable[[Net, Net, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]] = {
+    "fast_path": (False, _fast_path),
+    "walked": (True, _walked),
+    "nested_reentrant_checkpoint": (True, _nested_reentrant_checkpoint),
 }
 
 
@@ -266,7 +275,8 @@ def test_a_factor_callable_is_read_once_at_the_start_of_every_backward(path: str
             assert read.value == 1000.0, "the hook did not run"
             assert read.calls == k + 1, f"the callable was read {read.calls} times in {k + 1} backward(s)"
             after = _grads(models)
-            delta = {n: None if g is None else g - (before[n] if before[n] is not None else 0) for n, g in after.items()}
+            delta = {n: None if g is None else g - (0 if before[n] is None else before[n])  # type: ignore[operator]
+                     for n, g in after.items()}
             factor_of = {n: value if n.startswith("a.") else 0.25 for n in plain if n.startswith("a.") or uses_b}
             bad = grad_mismatches({n: plain[n] for n in factor_of}, {n: delta[n] for n in factor_of}, factor_of,
                                   "plain", rtol=F64_RTOL)
@@ -376,7 +386,7 @@ def _update_err(got: list[torch.Tensor], want: list[torch.Tensor], start: list[t
                        [w.double() - s.double() for w, s in zip(want, start)])
 
 
-# mode -> how one window is trained without an engine
+# how the plain (engine-free) window is trained: two exact ways, two that divide the LM branch twice
 PLAIN_MODES = ("factor_1", "factor_callable_1_over_tokens", "lm_group_gas", "loss_over_gas")
 
 
@@ -394,11 +404,12 @@ def train_plain_window(mode: str) -> list[float]:
         "factor_callable_1_over_tokens": [graphscale.Group(lm, factor=lambda: 1.0 / tokens[0], name="lm"),
                                           graphscale.Group(value, gas=WINDOW, name="value")],
         # the pitfall: the token-normalised branch divided by GAS again (transformers PR 35808)
-        "lm_group_gas": [graphscale.Group(lm, gas=WINDOW, name="lm"), graphscale.Group(value, gas=WINDOW, name="value")],
+        "lm_group_gas": [graphscale.Group(lm, gas=WINDOW, name="lm"),
+                         graphscale.Group(value, gas=WINDOW, name="value")],
         "loss_over_gas": [],  # plain gradient accumulation: loss / GAS
     }[mode]
     errs = []
-    with graphscale.install(*groups) if groups else _nothing():
+    with graphscale.install(*groups) if groups else nullcontext():
         for w in range(WINDOWS):
             batches = window_batches(w)
             tokens[0] = sum(mb.targets for mb in batches)  # known before the window, as num_items_in_batch is
@@ -417,11 +428,6 @@ def train_plain_window(mode: str) -> list[float]:
                 with torch.no_grad():
                     p.copy_(q)
     return errs
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def test_the_micro_batches_of_a_window_have_different_token_counts() -> None:
@@ -533,9 +539,12 @@ def _engines(stage: int, bf16: bool = False, boundary: bool = True,
 def _engine_grads(engine: Any) -> list[torch.Tensor | None]:
     from deepspeed.utils import safe_get_full_grad
 
-    out = []
+    out: list[torch.Tensor | None] = []
     for p in engine.module.parameters():
-        g = safe_get_full_grad(p)
+        try:
+            g = safe_get_full_grad(p)
+        except ValueError:  # ZeRO 1 before any backward: "only available immediately after backward"
+            g = None
         out.append(None if g is None else g.detach().float().clone())
     return out
 
@@ -697,3 +706,315 @@ def test_token_normalised_lm_engine_beside_value_engine_matches_the_window_objec
     assert wrong == expect_wrong, (
         f"{case.mode} ({generation()} generation) {'is' if wrong else 'is not'} off the window objective: "
         f"relative error of each window's gradient (fp32: and weight update) {errs}")
+
+
+# ------------------------------------------------------------------ bad values
+BAD_VALUES: dict[str, Any] = {
+    "zero": 0, "zero_float": 0.0, "negative": -1, "negative_float": -0.5, "nan": math.nan,
+    "inf": math.inf, "minus_inf": -math.inf, "true": True, "false": False, "string": "0.5", "list": [0.5],
+}
+
+
+@pytest.mark.parametrize("value", list(BAD_VALUES.values()), ids=list(BAD_VALUES))
+def test_a_bad_factor_is_refused_when_the_group_is_made(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"^graphscale: Group\(factor=\.\.\.\) must be a positive finite number"):
+        graphscale.Group(Net(1), factor=value, name="lm")
+
+
+def _raises() -> float:
+    raise KeyError("tokens_in_window")
+
+
+# callable -> (the exception, what its message must say after the group's name)
+BAD_CALLABLES: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
+    **{f"returns_{k}": ((lambda v=v: v), ValueError, "must be a positive finite number")
+       for k, v in BAD_VALUES.items()},
+    "raises": (_raises, graphscale.GraphscaleError, r"raised KeyError: 'tokens_in_window'\. No gradient was touched"),
+}
+
+
+def _snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    return {n: None if t.grad is None else t.grad.detach().clone() for n, t in tensors.items()}
+
+
+def _unchanged(before: dict[str, torch.Tensor | None], tensors: dict[str, torch.Tensor]) -> list[str]:
+    changed = []
+    for n, t in tensors.items():
+        b = before[n]
+        if (b is None) != (t.grad is None) or (b is not None and not torch.equal(b, t.grad)):
+            changed.append(n)
+    return changed
+
+
+@pytest.mark.parametrize("path", ["fast_path", "walked"])
+@pytest.mark.parametrize("bad", list(BAD_CALLABLES))
+def test_a_bad_factor_callable_raises_naming_the_group_before_any_gradient_is_touched(path: str, bad: str) -> None:
+    """Every leaf the backward would reach keeps its .grad: the group's, the
+    other group's, an unowned Parameter's and an input's.  The next backward
+    (the callable fixed) is exact."""
+    fn, exc, message = BAD_CALLABLES[bad]
+    lm, value, free = Net(1), Net(2), Net(3)
+    x = _inputs()[0].requires_grad_()
+    current: list[Callable[[], Any]] = [lambda: 0.5]
+    groups = [graphscale.Group(lm, factor=lambda: current[0](), name="lm")]
+    if path == "walked":  # two factors and an unowned Parameter: planned
+        groups.append(graphscale.Group(value, gas=4, name="value"))
+        models = {"lm": lm, "value": value, "free": free}
+    else:  # one group, no unowned Parameter: the seed is scaled, nothing walked
+        models = {"lm": lm}
+    leaves = {f"{n}.{pn}": p for n, m in models.items() for pn, p in m.named_parameters()} | {"x": x}
+
+    def backward() -> None:
+        sum(m(x) for m in models.values()).square().sum().backward()  # type: ignore[union-attr]
+
+    plain_models = {n: copy.deepcopy(m) for n, m in models.items()}
+    x_plain = x.detach().clone().requires_grad_()
+    sum(m(x_plain) for m in plain_models.values()).square().sum().backward()  # type: ignore[union-attr]
+    plain = _grads(plain_models) | {"x": x_plain.grad}
+    with graphscale.install(*groups), recording() as walks:
+        backward()  # good: every .grad now holds something to keep
+        assert (walks[-1][0] == 0) == (path == "fast_path"), walks
+        before = _snapshot(leaves)
+        current[0] = fn
+        with pytest.raises(exc, match=rf"^graphscale: the factor callable of group 'lm' {message}"):
+            backward()
+        assert not _unchanged(before, leaves), f"touched: {_unchanged(before, leaves)}"
+        assert len(walks) == 1, "the bad backward planned"
+        current[0] = lambda: 0.5
+        backward()
+    delta = {n: t.grad - before[n] for n, t in leaves.items()}  # type: ignore[operator]
+    factor_of = {n: 0.5 if n.startswith("lm.") else 0.25 for n in leaves if n.startswith(("lm.", "value."))}
+    params = [n for n in leaves if n.startswith("free.")]
+    bad_grads = grad_mismatches(plain, delta, factor_of, "plain_params", rtol=F64_RTOL, params=params)
+    assert not bad_grads, "\n".join(bad_grads)
+
+
+def test_gas_and_factor_together_are_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"^graphscale: Group takes gas= or factor=, not both"):
+        graphscale.Group(Net(1), gas=2, factor=1)  # type: ignore[call-overload]
+
+
+@pytest.mark.xfail(strict=True, reason="graphscale bug: Group(m, factor=None) raises a ValueError about gas= "
+                   "('Group(gas=...) must be a positive int ..., got <not given> of type _Unset')")
+def test_factor_none_is_refused_naming_factor() -> None:
+    with pytest.raises((TypeError, ValueError), match=r"^graphscale: .*factor") as err:
+        graphscale.Group(Net(1), factor=None, name="lm")  # type: ignore[arg-type]
+    assert "<not given>" not in str(err.value) and "gas=" not in str(err.value)
+
+
+# (stage, call, path, bad): the engines' bad values, a covering set
+ENGINE_BAD = [
+    (1, "engine", "walked", "returns_nan"),
+    (1, "loss", "fast_path", "raises"),
+    (2, "engine", "fast_path", "raises"),
+    (2, "loss", "walked", "returns_zero"),
+]
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+@pytest.mark.parametrize("stage, call, path, bad", ENGINE_BAD, ids=["-".join(map(str, c)) for c in ENGINE_BAD])
+def test_a_bad_engine_factor_raises_before_any_engine_gradient_is_touched(
+        ds_dist: None, stage: int, call: str, path: str, bad: str) -> None:
+    """Bad first (nothing accumulated yet), then good (exact against the
+    oracle: the aborted backward left nothing behind), then bad again (the
+    good gradients kept).  ``fast_path``: A's good factor equals B's 1/4."""
+    fn, exc, message = BAD_CALLABLES[bad]
+    engines, refs = _engines(stage)
+    A, B = engines["A"], engines["B"]
+    good = 1.0 if path == "walked" else 0.25
+    current: list[Callable[[], Any]] = [fn]
+    x, y = _engine_inputs(torch.float32)
+    (refs["A"](x) + refs["B"](y)).square().sum().backward()
+    want = [p.grad * good for p in refs["A"].parameters()] + [p.grad / 4 for p in refs["B"].parameters()]
+
+    def grads() -> list[torch.Tensor | None]:
+        return _engine_grads(A) + _engine_grads(B)
+
+    def backward() -> None:
+        loss = (A(x) + B(y)).square().sum()
+        A.backward(loss) if call == "engine" else loss.backward()
+
+    def same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> bool:
+        return all((u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+                   for u, v in zip(a, b, strict=True))
+
+    with graphscale.install(graphscale.Group(A, factor=lambda: current[0](), name="A"), B), recording() as walks:
+        before = grads()
+        with pytest.raises(exc, match=rf"^graphscale: the factor callable of group 'A' {message}"):
+            backward()
+        assert same(before, grads()), "the bad backward touched an engine's gradients"
+        current[0] = lambda: good
+        backward()
+        assert (walks[-1][0] == 0) == (path == "fast_path"), walks
+        got = grads()
+        assert max_rel_err(got, want) <= FP32_TOL, "not exact after an aborted backward"  # type: ignore[arg-type]
+        current[0] = fn
+        with pytest.raises(exc, match=rf"^graphscale: the factor callable of group 'A' {message}"):
+            backward()
+        assert same(got, grads()), "the bad backward touched an engine's gradients"
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_an_engine_takes_factor_not_gas(ds_dist: None) -> None:
+    engines, _ = _engines(1)
+    with pytest.raises(TypeError, match=r"^graphscale: Group\(engine, gas=\.\.\.\).*give factor="):
+        graphscale.Group(engines["A"], gas=2)
+
+
+# ------------------------------------------------------------------ explain and audit
+def _three_groups(read: Reads) -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
+    lm, value, aux = Net(1), Net(2), Net(3)
+    x = _inputs()[0]
+    groups = [graphscale.Group(lm, factor=read, name="lm"), graphscale.Group(value, gas=4, name="value"),
+              graphscale.Group(aux, factor=2.0, name="aux")]
+    return groups, lambda: (lm(x) + value(torch.tanh(aux(x)))).square().sum()
+
+
+def test_explain_lists_each_groups_factor_as_read_now() -> None:
+    read = Reads(0.3)
+    groups, loss_fn = _three_groups(read)
+    loss = loss_fn()
+    with graphscale.install(*groups):
+        first = str(graphscale.explain(loss))
+        read.value = 0.7
+        second = graphscale.explain(loss)
+    for name, factor in (("lm", r"0\.3"), ("value", r"0\.25"), ("aux", "2")):
+        assert re.search(rf"^\s+{name}\s+{factor}\s+4/4\s*$", first, flags=re.M), first
+    assert re.search(r"^\s+lm\s+0\.7\s+4/4\s*$", str(second), flags=re.M), str(second)
+    assert {g.name: g.factor for g in second.groups} == {"lm": 0.7, "value": 0.25, "aux": 2.0}
+    # explain(groups=...) without installing shows them the same way
+    alone = graphscale.explain(loss, groups=groups)
+    assert {g.name: g.factor for g in alone.groups} == {"lm": 0.7, "value": 0.25, "aux": 2.0}
+
+
+def test_audit_passes_custom_factors_and_reports_them() -> None:
+    groups, loss_fn = _three_groups(Reads(0.3))
+    with graphscale.install(*groups), graphscale.audit() as check:
+        loss_fn().backward()
+        loss_fn().backward()
+    assert check.ok and check.backwards == 2, str(check)
+    rows = {line.split()[0]: line.split()[1] for line in str(check).splitlines()[2:]}
+    assert rows == {"lm": "0.3", "value": "0.25", "aux": "2"}, str(check)
+
+
+def test_audit_catches_a_wrong_gas_factor_beside_factor_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups, loss_fn = _three_groups(Reads(0.3))
+    real = graphscale.Group.factor
+    with graphscale.install(*groups), graphscale.audit():
+        loss_fn().backward()
+        monkeypatch.setattr(graphscale.Group, "factor", lambda self: 0.5 if self.name == "value" else real(self))
+        with pytest.raises(graphscale.AuditError, match=r"group 'value' parameter .*got 0\.5 .*expected 0\.25") as err:
+            loss_fn().backward()
+    assert "'lm'" not in str(err.value) and "'aux'" not in str(err.value)
+
+
+def test_audit_catches_a_planner_that_applies_a_wrong_custom_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner reads ``Group.pin``; the audit the group's own factor."""
+    groups, loss_fn = _three_groups(Reads(0.3))
+    real = graphscale.Group.pin
+    with graphscale.install(*groups), graphscale.audit():
+        loss_fn().backward()
+        monkeypatch.setattr(graphscale.Group, "pin",
+                            lambda self, scaling=True: 0.6 if self.name == "lm" else real(self, scaling))
+        with pytest.raises(graphscale.AuditError, match=r"group 'lm' parameter .*got 0\.6 .*expected 0\.3"):
+            loss_fn().backward()
+
+
+@pytest.mark.xfail(strict=True, reason="graphscale limitation: for a factor= group the audit's expected factor is "
+                   "read through the same Group.factor() the planner uses, so a wrong factor() is not caught "
+                   "(NOTE [ Audit reference ] promises a path independent of the planner)")
+def test_audit_catches_a_wrong_factor_of_a_factor_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups, loss_fn = _three_groups(Reads(0.3))
+    real = graphscale.Group.factor
+    with graphscale.install(*groups), graphscale.audit():
+        loss_fn().backward()
+        monkeypatch.setattr(graphscale.Group, "factor", lambda self: 0.6 if self.name == "lm" else real(self))
+        with pytest.raises(graphscale.AuditError, match=r"group 'lm' parameter .*got 0\.6 .*expected 0\.3"):
+            loss_fn().backward()
+
+
+@pytest.mark.xfail(strict=True, reason="graphscale bug: under audit() a factor callable is read twice per backward "
+                   "(the audit's expectation, then the backward's own read): a stateful callable advances twice")
+def test_audit_reads_a_factor_callable_once_per_backward() -> None:
+    read = Reads(0.3)
+    groups, loss_fn = _three_groups(read)
+    with graphscale.install(*groups), graphscale.audit():
+        loss_fn().backward()
+    assert read.calls == 1
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+@pytest.mark.parametrize("call", ["engine", "loss"])
+def test_audit_checks_an_engine_with_a_factor(ds_dist: None, call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO 1 (what audit supports), micro-steps that are not a boundary
+    (at a boundary ZeRO moves gradients out of .grad): right, then a planner
+    applying a wrong factor to the engine."""
+    from graphscale._deepspeed import EngineGroup
+
+    engines, _ = _engines(1, boundary=False)
+    A, B = engines["A"], engines["B"]
+    x, y = _engine_inputs(torch.float32)
+
+    def backward() -> None:
+        loss = (A(x) + B(y)).square().sum()
+        A.backward(loss) if call == "engine" else loss.backward()
+
+    real = EngineGroup.pin
+    with graphscale.install(graphscale.Group(A, factor=1.0, name="A"), B), graphscale.audit() as check:
+        backward()
+        assert check.ok, str(check)
+        rows = {line.split()[0]: line.split()[1] for line in str(check).splitlines()[2:]}
+        assert rows["A"] == "1" and sorted(rows.values()) == ["0.25", "1"], str(check)
+        monkeypatch.setattr(EngineGroup, "pin",
+                            lambda self, scaling=True: 0.5 if self.name == "A" else real(self, scaling))
+        with pytest.raises(graphscale.AuditError, match=r"group 'A' parameter .*got 0\.5 .*expected 1"):
+            backward()
+
+
+# ------------------------------------------------------------------ one leaf, two groups
+# name -> (the first group's spec, the second's), both over the same module
+SHARING: dict[str, tuple[Spec, Spec]] = {
+    "factor_1_and_factor_0.5": (F1, Spec("factor", 0.5)),
+    "factor_0.5_and_gas_2": (Spec("factor", 0.5), Spec("gas", 2)),  # equal values, different sources
+    "factor_and_gas_callable": (F1, GAS2_FN),
+    "two_factor_callables": (F03_FN, F03_FN),  # two lambdas: may differ
+}
+
+
+@pytest.mark.parametrize("specs", list(SHARING.values()), ids=list(SHARING))
+def test_a_parameter_in_two_groups_with_different_factor_specs_is_refused_naming_both(specs: tuple[Spec, Spec]) -> None:
+    net = Net(1)
+    first, second = specs[0].group(net, "first"), specs[1].group(net.head, "second")
+    with pytest.raises(graphscale.ConfigurationError,
+                       match=r"^graphscale: parameter '(head\.)?weight' .* in group 'first' and in group 'second'"):
+        graphscale.install(first, second)
+
+
+def test_a_parameter_in_two_groups_with_the_same_factor_source_is_exact() -> None:
+    net, other = Net(1), Net(2)
+    fn = Reads(0.3)
+    x, y = _inputs()
+    plain = _plain(SHAPES["a(x)+b(y)"], {"a": net, "b": other}, x, y)
+    groups = [graphscale.Group(net, factor=fn, name="whole"), graphscale.Group(net.head, factor=fn, name="head"),
+              graphscale.Group(other, factor=2.0, name="other"), graphscale.Group(other.sub, factor=2.0, name="sub")]
+    with graphscale.install(*groups):
+        SHAPES["a(x)+b(y)"].loss({"a": net, "b": other}, x, y).backward()
+    factor_of = {n: 0.3 if n.startswith("a.") else 2.0 for n in plain}
+    bad = grad_mismatches(plain, _grads({"a": net, "b": other}), factor_of, "plain", rtol=F64_RTOL)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+@pytest.mark.parametrize("other", ["the_engine_itself", "its_module_with_the_same_factor"])
+def test_an_engine_with_a_factor_and_another_group_over_its_parameters_is_refused(ds_dist: None, other: str) -> None:
+    """The engine's group also carries its fp16 loss scale: no plain group
+    (nor the engine's own GAS group) may share its parameters."""
+    engines, _ = _engines(1)
+    A = engines["A"]
+    second = A if other == "the_engine_itself" else graphscale.Group(A.module, factor=1.0, name="second")
+    with pytest.raises(graphscale.ConfigurationError, match=r"in group 'first' and in group '(second|engine:)"):
+        graphscale.install(graphscale.Group(A, factor=1.0, name="first"), second)
