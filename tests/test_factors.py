@@ -519,8 +519,7 @@ def _engine_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, 4, generator=g).to(dtype), torch.randn(3, 4, generator=g).to(dtype)
 
 
-def _engines(stage: int, bf16: bool = False, boundary: bool = True,
-             gas: dict[str, int] = ENGINE_GAS) -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
+def _engines(stage: int, bf16: bool = False, boundary: bool = True) -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
     """Fresh engines A and B and float32 copies made before initialize.
     ``boundary``: reduce at every backward (gradients readable after one)."""
     import deepspeed
@@ -530,7 +529,7 @@ def _engines(stage: int, bf16: bool = False, boundary: bool = True,
         m = EngineNet(10 + i)
         refs[name] = copy.deepcopy(m)
         engines[name], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                                 config=ds_config(gas[name], stage, bf16=bf16))
+                                                 config=ds_config(ENGINE_GAS[name], stage, bf16=bf16))
         if boundary:
             engines[name].set_gradient_accumulation_boundary(True)
     return engines, refs
@@ -588,6 +587,23 @@ def test_deepspeed_alone_cannot_give_an_engine_a_factor(ds_dist: None, case: Eng
     (1 or 0.3), in either generation, so the test above can fail."""
     errs = run_engine_case(case, govern=False)
     assert errs["A"] > 0.4, f"per-engine max relative gradient error {errs}"
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+@pytest.mark.parametrize("a_spec", [F1, F03_FN], ids=str)
+def test_scale_wrt_gas_false_switches_custom_factors_off_too(ds_dist: None, a_spec: Spec) -> None:
+    """``engine.backward(loss, scale_wrt_gas=False)``: every group's factor is
+    1 in that backward, a ``factor=`` engine's as well (``Group.pin``)."""
+    engines, refs = _engines(1)
+    A, B = engines["A"], engines["B"]
+    x, y = _engine_inputs(torch.float32)
+    ENGINE_SHAPES["B(A(x))"](refs["A"], refs["B"], refs["A"], x, y).backward()
+    with graphscale.install(a_spec.group(A, "A"), B):
+        A.backward(ENGINE_SHAPES["B(A(x))"](A, B, A.module, x, y), scale_wrt_gas=False)
+    errs = {n: max_rel_err(_engine_grads(e), [p.grad for p in refs[n].parameters()])  # type: ignore[arg-type]
+            for n, e in engines.items()}
+    assert max(errs.values()) <= FP32_TOL, f"per-engine max relative error vs the plain gradient {errs}"
 
 
 # The motivating case with engines: an LM engine whose loss is normalised by
