@@ -34,19 +34,19 @@ UNSET: Any = _Unset()  # "not given" (gas= and factor= both default to it)
 _counter = itertools.count()
 
 
-def _check_gas_value(value: object, where: str) -> int:
+def _check_gas_value(value: object, where: str, name: str | None = None) -> int:
     """Return ``value`` if it is a positive int, else raise ValueError naming ``where``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(
             f"graphscale: {where} must be a positive int (the gradient-accumulation steps), "
-            f"got {value!r} of type {type(value).__name__}."
+            f"got {value!r} of type {type(value).__name__}.{_named(name)}"
         )
     if value < 1:
-        raise ValueError(f"graphscale: {where} must be a positive int, got {value}.")
+        raise ValueError(f"graphscale: {where} must be a positive int, got {value}.{_named(name)}")
     return value
 
 
-def _check_factor_value(value: object, where: str) -> float:
+def _check_factor_value(value: object, where: str, name: str | None = None) -> float:
     """Return ``value`` as a float if it is a positive finite real number (or a
     one-element tensor holding one, e.g. Hugging Face's ``num_items_in_batch``;
     read with ``.item()``, a device sync on a GPU), else raise ValueError
@@ -56,16 +56,16 @@ def _check_factor_value(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(
             f"graphscale: {where} must be a positive finite number (what the group's gradients are "
-            f"multiplied by), got {value!r} of type {type(value).__name__}."
+            f"multiplied by), got {value!r} of type {type(value).__name__}.{_named(name)}"
         )
     f = float(value)
     if not (math.isfinite(f) and f > 0.0):
-        raise ValueError(f"graphscale: {where} must be a positive finite number, got {value!r}.")
+        raise ValueError(f"graphscale: {where} must be a positive finite number, got {value!r}.{_named(name)}")
     return f
 
 
 def _named(name: str | None) -> str:
-    return f" of group {name!r}" if name is not None else ""
+    return f" (group {name!r})" if name is not None else ""
 
 
 # The values graphscale.audit read for this backward (spec_reads).
@@ -193,19 +193,19 @@ class Group:
         if gas is not UNSET and factor is not UNSET:
             raise TypeError("graphscale: Group takes gas= or factor=, not both (factor is what 1 / gas would be).")
         if factor is None:
-            raise ValueError(f"graphscale: Group(factor=None){_named(name)}: factor must be a positive finite number "
-                             "or a callable returning one; leave it out for 1 / gas.")
+            raise ValueError("graphscale: Group(factor=None): factor must be a positive finite number or a callable "
+                             f"returning one; leave it out for 1 / gas.{_named(name)}")
         self._gas: Any = 1 if gas is UNSET and factor is UNSET else gas
         self._factor: Any = None if factor is UNSET else factor
         if self._factor is not None:
             if callable(factor):
                 self._factor_key: object = ("factor-callable", id(factor))
             else:
-                self._factor_key = ("factor", _check_factor_value(factor, f"Group(factor=...){_named(name)}"))
+                self._factor_key = ("factor", _check_factor_value(factor, "Group(factor=...)", name))
         elif callable(self._gas):
             self._factor_key = ("callable", id(self._gas))
         else:
-            self._factor_key = ("int", _check_gas_value(self._gas, f"Group(gas=...){_named(name)}"))
+            self._factor_key = ("int", _check_gas_value(self._gas, "Group(gas=...)", name))
         self.name = name if name is not None else f"{default_name}#{next(_counter)}"
         unique: dict[int, tuple[str, torch.Tensor]] = {}
         for pname, p in named:

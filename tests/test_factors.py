@@ -810,8 +810,6 @@ def test_gas_and_factor_together_are_a_type_error() -> None:
         graphscale.Group(Net(1), gas=2, factor=1)  # type: ignore[call-overload]
 
 
-@pytest.mark.xfail(strict=True, reason="graphscale bug: Group(m, factor=None) raises a ValueError about gas= "
-                   "('Group(gas=...) must be a positive int ..., got <not given> of type _Unset')")
 def test_factor_none_is_refused_naming_factor() -> None:
     with pytest.raises((TypeError, ValueError), match=r"^graphscale: .*factor") as err:
         graphscale.Group(Net(1), factor=None, name="lm")  # type: ignore[arg-type]
@@ -938,9 +936,6 @@ def test_audit_catches_a_planner_that_applies_a_wrong_custom_factor(monkeypatch:
             loss_fn().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="graphscale limitation: for a factor= group the audit's expected factor is "
-                   "read through the same Group.factor() the planner uses, so a wrong factor() is not caught "
-                   "(NOTE [ Audit reference ] promises a path independent of the planner)")
 def test_audit_catches_a_wrong_factor_of_a_factor_group(monkeypatch: pytest.MonkeyPatch) -> None:
     groups, loss_fn = _three_groups(Reads(0.3))
     real = graphscale.Group.factor
@@ -951,8 +946,6 @@ def test_audit_catches_a_wrong_factor_of_a_factor_group(monkeypatch: pytest.Monk
             loss_fn().backward()
 
 
-@pytest.mark.xfail(strict=True, reason="graphscale bug: under audit() a factor callable is read twice per backward "
-                   "(the audit's expectation, then the backward's own read): a stateful callable advances twice")
 def test_audit_reads_a_factor_callable_once_per_backward() -> None:
     read = Reads(0.3)
     groups, loss_fn = _three_groups(read)
