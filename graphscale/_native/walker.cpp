@@ -109,12 +109,24 @@ class PtrMap {
 
 using NodeIndex = PtrMap<Node, int64_t>;  // Node* -> discovery position
 
+// torch's owning pointer to a Node: std::shared_ptr before torch 2.10 or so,
+// c10::intrusive_ptr since.  Node::getptr() returns it in both.
+using NodePtr = decltype(std::declval<Node&>().getptr());
+
+// The raw Node of a THPFunction's or THPCppFunction's cdata, whichever
+// pointer type this torch uses (a custom Function's is a weak_ptr in older
+// torch; the graph keeps the node alive meanwhile).
+template <typename T>
+Node* raw(const std::weak_ptr<T>& p) { return p.lock().get(); }
+template <typename P>
+Node* raw(const P& p) { return p.get(); }
+
 // The C++ Node behind a Python grad_fn object (borrowed), or nullptr.
 Node* node_of(PyObject* obj) {
   if (obj == Py_None) return nullptr;
   if (torch::autograd::THPCppFunction_Check(obj))
-    return reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get();
-  if (THPFunction_Check(obj)) return reinterpret_cast<THPFunction*>(obj)->cdata.get();
+    return raw(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata);
+  if (THPFunction_Check(obj)) return raw(reinterpret_cast<THPFunction*>(obj)->cdata);
   throw py::type_error("graphscale: native walker got a root that is not an autograd Node");
 }
 
@@ -139,7 +151,7 @@ bool is_py_node(const Node* n) {
 }
 
 py::object py_of(Node* n) {
-  auto ptr = c10::intrusive_ptr<Node>::reclaim_copy(n);
+  auto ptr = n->getptr();
   return py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(ptr));
 }
 
@@ -190,14 +202,14 @@ struct Owners {
 // What the governed backward needs from a plan, and the nested-backward lookup.
 struct NativePlan {
   // The roots' Python objects keep every walked node alive (so addresses stay
-  // unique).  Not C++ intrusive_ptrs: if the last owner of a deep graph were a
-  // plain intrusive_ptr, freeing it would recurse down the chain; torch frees
+  // unique).  Not C++ NodePtrs: if the last owner of a deep graph were a
+  // plain NodePtr, freeing it would recurse down the chain; torch frees
   // graphs owned by Python objects and tensors iteratively.
   py::object roots;
   // AccumulateGrad nodes of leaf roots given as tensors (nested_plan): the
   // tensor holds them only weakly.  They have no next edges, so holding them
   // here cannot make a free recurse.
-  std::vector<c10::intrusive_ptr<Node>> leaf_roots;
+  std::vector<NodePtr> leaf_roots;
   NodeIndex index;                              // Node* -> discovery position
   std::vector<double> phi_disc;                 // potential by discovery position
   std::vector<double> seeds;
@@ -742,7 +754,7 @@ static NativePlan plan(const py::list& roots, py::object owners, const std::vect
 // the tensor holds it only weakly), or none.  False when a root is neither a
 // tensor nor an edge.
 static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
-                          std::vector<c10::intrusive_ptr<Node>>* leaf_roots) {
+                          std::vector<NodePtr>* leaf_roots) {
   nodes->assign(roots.size(), nullptr);
   for (size_t r = 0; r < roots.size(); ++r) {
     PyObject* obj = roots[r].ptr();
@@ -794,7 +806,7 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
     int64_t i = op->index.get(node);
     if (i < 0) continue;
     std::vector<Node*> root_nodes;
-    std::vector<c10::intrusive_ptr<Node>> leaf_roots;
+    std::vector<NodePtr> leaf_roots;
     if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
     Request req;
     req.owners_obj = op->owners;
@@ -831,7 +843,7 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
   static thread_local std::vector<Node*> found;
   static thread_local size_t last = 0;
   std::vector<Node*> root_nodes;
-  std::vector<c10::intrusive_ptr<Node>> leaf_roots;
+  std::vector<NodePtr> leaf_roots;
   if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
   index.reserve(last);
   found.clear();
