@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, rest = parser.parse_known_args(argv)
     if args.command == "build":
-        from ._native import _build
+        from ._native import build_main
 
-        return _build.main(rest)
+        return build_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":

@@ -287,11 +287,11 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
     Example::
 
         >>> import torch, graphscale
-        >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
-        >>> x = torch.ones(1, 2)
-        >>> with graphscale.install(graphscale.Group(a, gas=2, name="a"), graphscale.Group(b, gas=4, name="b")):
-        ...     with graphscale.audit() as check:
-        ...         (a(x) + b(a(x))).sum().backward()
+        >>> actor, critic = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
+        >>> groups = graphscale.Group(actor, gas=2, name="a"), graphscale.Group(critic, gas=4, name="b")
+        >>> with graphscale.install(*groups), graphscale.audit() as check:
+        ...     h = actor(torch.ones(1, 2))
+        ...     (h + critic(h)).sum().backward()
         >>> check.ok, check.backwards
         (True, 1)
         >>> print(check)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE

@@ -34,15 +34,17 @@ UNSET: Any = _Unset()  # "not given" (gas= and factor= both default to it)
 _counter = itertools.count()
 
 
+def _refuse(where: str, want: str, value: object, name: str | None, typed: bool = True) -> ValueError:
+    got = f"{value!r} of type {type(value).__name__}" if typed else repr(value)
+    return ValueError(f"graphscale: {where} must be {want}, got {got}.{_named(name)}")
+
+
 def _check_gas_value(value: object, where: str, name: str | None = None) -> int:
     """Return ``value`` if it is a positive int, else raise ValueError naming ``where``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"graphscale: {where} must be a positive int (the gradient-accumulation steps), "
-            f"got {value!r} of type {type(value).__name__}.{_named(name)}"
-        )
+        raise _refuse(where, "a positive int (the gradient-accumulation steps)", value, name)
     if value < 1:
-        raise ValueError(f"graphscale: {where} must be a positive int, got {value}.{_named(name)}")
+        raise _refuse(where, "a positive int", value, name, typed=False)
     return value
 
 
@@ -54,13 +56,10 @@ def _check_factor_value(value: object, where: str, name: str | None = None) -> f
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise ValueError(
-            f"graphscale: {where} must be a positive finite number (what the group's gradients are "
-            f"multiplied by), got {value!r} of type {type(value).__name__}.{_named(name)}"
-        )
+        raise _refuse(where, "a positive finite number (what the group's gradients are multiplied by)", value, name)
     f = float(value)
     if not (math.isfinite(f) and f > 0.0):
-        raise ValueError(f"graphscale: {where} must be a positive finite number, got {value!r}.{_named(name)}")
+        raise _refuse(where, "a positive finite number", value, name, typed=False)
     return f
 
 

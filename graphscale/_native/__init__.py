@@ -50,6 +50,7 @@ __all__ = [
     "status",
     "loaded",
     "owners_for",
+    "build_main",
 ]
 
 _log = logging.getLogger("graphscale")
@@ -233,6 +234,11 @@ def _fail(cause: str) -> None:
         _build.FIX,
     )
     _done.set()
+
+
+def build_main(argv: list[str]) -> int:
+    """``python -m graphscale build``: build (or find) the cached native walker now."""
+    return _build.main(argv)
 
 
 def loaded() -> Any:

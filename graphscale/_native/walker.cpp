@@ -150,6 +150,16 @@ bool is_py_node(const Node* n) {
   return false;
 }
 
+// The distinct non-null roots, first in discovery order.
+void seed_roots(const std::vector<Node*>& roots, NodeIndex* index, std::vector<Node*>* found) {
+  bool ins;
+  for (Node* r : roots) {
+    if (r == nullptr) continue;
+    index->get_or_insert(r, static_cast<int64_t>(found->size()), &ins);
+    if (ins) found->push_back(r);
+  }
+}
+
 py::object py_of(Node* n) {
   auto ptr = n->getptr();
   return py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(ptr));
@@ -396,12 +406,8 @@ class Planner {
     NodeIndex& index = P.index;
     index.reserve(index_guess);  // grows when the guess is short
     found.reserve(index_guess + 16);
+    seed_roots(root_nodes, &index, &found);
     bool ins;
-    for (Node* r : root_nodes) {
-      if (r == nullptr) continue;
-      index.get_or_insert(r, static_cast<int64_t>(found.size()), &ins);
-      if (ins) found.push_back(r);
-    }
     auto& kid_start = S.kid_start;
     auto& kids = S.kids;
     auto& is_leaf = S.is_leaf;
@@ -847,12 +853,8 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
   if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
   index.reserve(last);
   found.clear();
+  seed_roots(root_nodes, &index, &found);
   bool ins, owned = false, unowned = false, hidden = false;
-  for (Node* r : root_nodes) {
-    if (r == nullptr) continue;
-    index.get_or_insert(r, static_cast<int64_t>(found.size()), &ins);
-    if (ins) found.push_back(r);
-  }
   int result = -1;
   for (size_t i = 0; i < found.size() && result < 0; ++i) {
     Node* node = found[i];
@@ -885,30 +887,6 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
   return owned ? 1 : (hidden ? 2 : 0);
 }
 
-// Node count only (for benchmarks and tests): the same walk, no plan.
-static int64_t count_nodes(const py::list& roots) {
-  NodeIndex index;
-  index.reserve(1024);
-  std::vector<Node*> found;
-  bool ins;
-  for (auto r : roots) {
-    Node* n = node_of(r.ptr());
-    if (n == nullptr) continue;
-    index.get_or_insert(n, static_cast<int64_t>(found.size()), &ins);
-    if (ins) found.push_back(n);
-  }
-  for (size_t i = 0; i < found.size(); ++i) {
-    if (is_accumulate_grad(found[i])) continue;
-    for (const auto& e : found[i]->next_edges()) {
-      Node* nxt = e.function.get();
-      if (nxt == nullptr) continue;
-      index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
-      if (ins) found.push_back(nxt);
-    }
-  }
-  return static_cast<int64_t>(found.size());
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "graphscale native walk + plan (see graphscale/_plan.py NOTE [ Potentials ])";
   py::class_<Owners>(m, "Owners").def(py::init<const std::vector<uintptr_t>&, const std::vector<int>&>());
@@ -929,5 +907,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan", &plan);
   m.def("nested_plan", &nested_plan);
   m.def("probe", &probe);
-  m.def("count_nodes", &count_nodes);
 }
