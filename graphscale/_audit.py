@@ -151,7 +151,7 @@ class Audit:
         if not leaves:
             return run(*args)
         try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot ... ])
-            with _prologues_held(), _state.bound(roots, state) as bound_roots:
+            with _prologues_held(), _state.bound(roots, _state.Binding(state)) as bound_roots:
                 ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=grads, retain_graph=True,
                                           allow_unused=True)
         except RuntimeError as exc:

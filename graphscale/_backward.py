@@ -17,6 +17,15 @@ the original, and removes every hook in a ``finally``.
 # unless an owned leaf and an unowned Parameter turn up (then it plans);
 # under "plain" until an owned and an unowned leaf are both seen.  f == 1
 # touches nothing at all, without a probe.
+# A custom-Function node may run a nested backward over leaves no walk can
+# see (reentrant checkpointing; ZeRO-3 makes every Linear one).  Such a
+# backward still takes the fast path (or is left alone, when no owned leaf
+# is visible), and binds its graph task to the potential everything in it
+# carries (f, or 1): a backward nested in it finds no plan and is planned
+# from that potential (_planning.plan_nested), so hidden owned leaves get
+# their factor and hidden unowned Parameters their plain gradient.  Under
+# "any" nested backwards of a fast-path backward need no plan (everything
+# carries f, which any leaf may take).
 #
 # NOTE [ Nested backward ]
 # Reentrant activation checkpointing (torch's and DeepSpeed's) calls
@@ -72,8 +81,8 @@ from . import _planning, _state
 from ._group import Group
 from ._state import State
 
-__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "BackwardCall", "fast_path_factor", "decide", "normalize",
-           "UNTOUCHED", "FAST_PATH", "PLANNED"]
+__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "BackwardCall", "fast_path_factor", "decide", "Decision",
+           "normalize", "UNTOUCHED", "FAST_PATH", "PLANNED"]
 
 _log = logging.getLogger("graphscale")
 
@@ -120,13 +129,16 @@ class BackwardCall(NamedTuple):
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
 
-    def run(self, state: State | None, seeds: Any = None, hooks: bool = True, laps: _state.Laps | None = None) -> None:
+    def run(self, state: State | None, seeds: Any = None, hooks: bool = True, laps: _state.Laps | None = None,
+            nested: tuple[Mapping[Group, float], float] | None = None) -> None:
         """The original backward, with ``seeds`` in place of the given seeds if
         not None, its graph task bound to ``state`` when that governs engines
         and the graph may hold their output hooks (``hooks``: a plan found
-        tensor hooks in it, or none looked) (NOTE [ Which snapshot an output
-        hook obeys ] in _state.py)."""
-        if state is None or not state.engines or not hooks or self.roots is None:
+        tensor hooks in it, or none looked; NOTE [ Which snapshot an output
+        hook obeys ] in _state.py), or when ``nested`` (factors, potential)
+        says how to plan a backward nested in it (NOTE [ Fast path ])."""
+        bind = nested is not None or (state is not None and state.engines and hooks)
+        if state is None or not bind or self.roots is None:
             if laps:
                 laps.skip()
             return ORIGINAL_BACKWARD(
@@ -135,7 +147,8 @@ class BackwardCall(NamedTuple):
             )
         grads = self.grads if seeds is None else seeds
         assert grads is not None  # normalized with the roots
-        with _state.bound(self.roots, state) as roots:
+        factors, potential = nested if nested is not None else (None, None)
+        with _state.bound(self.roots, _state.Binding(state, factors, potential)) as roots:
             if laps:
                 laps("bind")
             ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
@@ -223,24 +236,38 @@ def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
 UNTOUCHED, FAST_PATH, PLANNED = "untouched", "fast path", "planned"
 
 
+class Decision(NamedTuple):
+    """What a top-level backward does: ``kind`` (UNTOUCHED, FAST_PATH or
+    PLANNED), the one ``factor`` of the fast path, the ``plan`` when planned,
+    and ``nested``: the potential from which a backward nested in an
+    unplanned one must be planned (custom-Function nodes may hide leaves;
+    NOTE [ Fast path ]), or None."""
+
+    kind: str
+    factor: float = 1.0
+    plan: Any = None
+    nested: float | None = None
+
+
 def decide(roots: Sequence[Any], state: State, factors: Mapping[Group, float], inputs: tuple[Any, ...],
-           seeds_carry_nothing: bool = True) -> tuple[str, float, Any]:
-    """What a top-level backward of ``roots`` does: (UNTOUCHED, 1, None),
-    (FAST_PATH, f, None) or (PLANNED, 1, plan).  :func:`graphscale.explain`
+           seeds_carry_nothing: bool = True) -> Decision:
+    """What a top-level backward of ``roots`` does; :func:`graphscale.explain`
     asks the same question."""
     f = fast_path_factor(factors)
     if f is not None:
         if f == 1.0 and seeds_carry_nothing:
-            return UNTOUCHED, 1.0, None  # every factor 1: nothing to do
-        verdict = _planning.probe(roots, state)
-        if verdict == _planning.NO_OWNED:
-            return UNTOUCHED, 1.0, None  # NOTE [ Unowned leaves ]: not graphscale's backward
+            return Decision(UNTOUCHED)  # every factor 1: nothing to do, nested or not
+        verdict, hidden = _planning.probe(roots, state)
+        if verdict == _planning.NO_OWNED and not hidden:
+            return Decision(UNTOUCHED)  # NOTE [ Unowned leaves ]: not graphscale's backward
+        if verdict == _planning.NO_OWNED and seeds_carry_nothing:
+            return Decision(UNTOUCHED, nested=1.0)  # owned leaves may hide behind a custom Function
         if verdict == _planning.FAST:
-            return FAST_PATH, f, None
+            return Decision(FAST_PATH, f, nested=f if hidden and state.policy != "any" else None)
     plan = _planning.plan_backward(roots, _planning.top_level_request(state, factors, inputs))
     if not plan.owned_leaves and not plan.custom_nodes:
-        return UNTOUCHED, 1.0, None
-    return PLANNED, 1.0, plan
+        return Decision(UNTOUCHED)
+    return Decision(PLANNED, plan=plan)
 
 
 def _carries(roots: Sequence[Any], default: float) -> list[float]:
@@ -287,21 +314,24 @@ def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | Non
         if laps:
             laps("prepare")
         t0 = time.perf_counter()
-        kind, f, plan = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
+        decision = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
         walked = time.perf_counter() - t0
         if laps:
             laps("walk+plan")
-        if kind == UNTOUCHED:
-            return call.run(state, laps=laps)
-        if kind == FAST_PATH:
-            return _run_fast_path(call, state, f, carries, factors, walked, laps)
+        nested = None if decision.nested is None else (factors, decision.nested)
+        if decision.kind == UNTOUCHED:
+            return call.run(state, laps=laps, nested=nested)
+        if decision.kind == FAST_PATH:
+            return _run_fast_path(call, state, decision.factor, carries, factors, walked, laps, nested)
+        plan = decision.plan
         if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
             _warn_unreached_groups(state, plan)
         return _run_plan(call, plan, _state.Running(plan, factors, state), walked, carries, laps)
 
 
 def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence[float],
-                   factors: Mapping[Group, float], walked: float, laps: _state.Laps | None) -> None:
+                   factors: Mapping[Group, float], walked: float, laps: _state.Laps | None,
+                   nested: tuple[Mapping[Group, float], float] | None) -> None:
     """NOTE [ Fast path ]: every seed times ``f``, nothing planned."""
     assert call.roots is not None and call.grads is not None
     mults = [f / c for c in carries]
@@ -318,7 +348,7 @@ def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence
             "graphscale: fast path, walked 0 nodes in 0 us, %d multiplication(s) (root seeds x %g), factors %s",
             len(call.roots), f, sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
         )
-    return call.run(state, seeds, laps=laps)
+    return call.run(state, seeds, laps=laps, nested=nested)
 
 
 def _run_nested(call: BackwardCall, current: Any, laps: _state.Laps | None) -> None:

@@ -300,7 +300,7 @@ def explain(
     root_list = _checked_roots(roots, grad_tensors)
     scaling = scale_wrt_gas and _state.gas_scaling_enabled()
     factors = {g: (g.factor() if scaling else 1.0) for g in state.groups}
-    kind, fast, _ = decide(root_list, state, factors, ())
+    kind, fast, _, _ = decide(root_list, state, factors, ())
     t0 = time.perf_counter()
     plan = build_plan(root_list, top_level_request(state, factors, ()))
     walk_us = (time.perf_counter() - t0) * 1e6

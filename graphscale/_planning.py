@@ -275,6 +275,7 @@ class PyPlan:
 
 # ---------------------------------------------------------------- before the fast path
 NO_OWNED, FAST, PLAN = 0, 1, 2
+HIDDEN = 4  # or-ed in: a custom-Function node was seen
 
 
 def _probe_python(roots: Sequence[Any], state: State) -> int:
@@ -287,38 +288,41 @@ def _probe_python(roots: Sequence[Any], state: State) -> int:
         node = stack.pop()
         if isinstance(node, _BackwardCFunction):
             hidden = True
-            if policy != "any":
-                return PLAN
         var = getattr(node, "variable", None)
         if isinstance(var, torch.Tensor):
             if id(var) in owner:
                 owned = True
                 if policy == "any":
-                    return FAST
+                    return FAST | (HIDDEN if hidden else 0)
             elif policy == "plain" or (policy == "plain_params" and isinstance(var, torch.nn.Parameter)):
                 unowned = True
             if owned and unowned:
-                return PLAN
+                return PLAN | (HIDDEN if hidden else 0)
             continue
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 stack.append(nxt)
-    return FAST if owned else (PLAN if hidden else NO_OWNED)
+    return (FAST if owned else NO_OWNED) | (HIDDEN if hidden else 0)
 
 
-def probe(roots: Sequence[Any], state: State) -> int:
-    """Before the fast path (NOTE [ Fast path ] in _backward.py): NO_OWNED when
-    a backward of ``roots`` reaches no owned leaf (leave it alone), FAST when
-    multiplying its seeds by the one factor in play is exact under the
-    state's policy, PLAN when unowned leaves the policy protects are reached
-    too, or a custom-Function node may hide leaves (a reentrant checkpoint
-    runs a nested backward over them).  Walks only until the answer is known."""
+def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
+    """Before the fast path (NOTE [ Fast path ] in _backward.py): (verdict,
+    hidden).  NO_OWNED when a backward of ``roots`` reaches no owned leaf the
+    walk can see, FAST when multiplying its seeds by the one factor in play is
+    exact under the state's policy, PLAN when unowned leaves the policy
+    protects are reached too; ``hidden``: a custom-Function node was seen,
+    which may run a nested backward over leaves no walk can see (reentrant
+    checkpointing).  Walks only until the answer is known (under "any" it may
+    stop before a custom-Function node: that policy needs no nested plan
+    inside a fast-path backward)."""
     native = _native.load()
     if native is not None:
-        return int(native.probe(tuple(roots), _native.owners_for(state, native), state.policy_index,
+        code = int(native.probe(tuple(roots), _native.owners_for(state, native), state.policy_index,
                                 torch.nn.Parameter))
-    return _probe_python(roots, state)
+    else:
+        code = _probe_python(roots, state)
+    return code & 3, bool(code & HIDDEN)
 
 
 # ---------------------------------------------------------------- native or Python
@@ -369,25 +373,39 @@ def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> 
     """Plan a backward called from inside ``current``'s backward (NOTE [
     Nested backward ] in _backward.py): find the running plan that walked
     ``current`` and plan ``roots`` from its potential, with its state and
-    factors.  None where no running plan walked ``current`` (inside a
-    fast-path or ungoverned backward: run untouched)."""
+    factors; or, where none did, inside a backward that left the nested
+    ones to be planned (NOTE [ Fast path ]: its task is bound with the
+    potential everything in it carries), from that potential.  None inside a
+    backward that left them alone (ungoverned, or a fast path under "any")."""
     entries = _state.running()
     if not entries:
-        return None
+        return _plan_in_task(roots, inputs)
     native = _native.load()
     if native is not None and not inputs:
         # One native call finds the running plan and plans (every running
         # plan native; else the Python route below).
         found = native.nested_plan(current, entries, tuple(roots), torch.nn.Parameter)
         if found is None:
-            return None
+            return _plan_in_task(roots, inputs)
         if found is not NotImplemented:
             k, plan = found
             return entries[k], plan
     enclosing = _state.find_enclosing(current)
     if enclosing is None:
-        return None
+        return _plan_in_task(roots, inputs)
     entry, p = enclosing
     request = PlanRequest(entry.state, entry.factors, base=p, carrier=p, inputs=inputs,
                           outer_phi=_state.enclosing_phi, hint=checkpoint_hint(entry.state, entry.factors))
     return entry, plan_backward(roots, request)
+
+
+def _plan_in_task(roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[_state.Running, Any] | None:
+    """A nested backward inside a backward with no plan that bound its task
+    with the potential everything in it carries (NOTE [ Fast path ])."""
+    binding = _state.task_binding()
+    if binding is None or binding.potential is None or binding.factors is None:
+        return None
+    p = binding.potential
+    request = PlanRequest(binding.state, binding.factors, base=p, carrier=p, inputs=inputs,
+                          outer_phi=_state.enclosing_phi, hint=checkpoint_hint(binding.state, binding.factors))
+    return _state.Running(None, binding.factors, binding.state), plan_backward(roots, request)

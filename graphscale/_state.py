@@ -42,8 +42,8 @@ from ._group import Group
 
 __all__ = [
     "UNOWNED_POLICIES", "check_policy", "strictest", "State", "current", "set_current", "engine_backward",
-    "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "governing", "governing_state", "bound",
-    "task_state", "backward_state", "Running", "running_plan", "running", "find_enclosing",
+    "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "governing", "governing_state", "Binding",
+    "bound", "task_binding", "task_state", "backward_state", "Running", "running_plan", "running", "find_enclosing",
     "enclosing_phi", "observer", "walk_recorder", "phase_recorder", "Laps", "laps",
 ]
 
@@ -325,7 +325,20 @@ def governing_state() -> State | None:
     return stack[-1] if stack else None
 
 
-_by_task: dict[int, State] = {}  # graph task id -> snapshot, while that backward runs
+class Binding:
+    """What a running backward's graph task is bound to: its snapshot, and
+    (NOTE [ Fast path ]) where no plan of it exists, the factors it read and
+    the potential everything in it carries, from which a nested backward is
+    planned."""
+
+    __slots__ = ("state", "factors", "potential")
+
+    def __init__(self, state: State, factors: Mapping[Group, float] | None = None,
+                 potential: float | None = None) -> None:
+        self.state, self.factors, self.potential = state, factors, potential
+
+
+_by_task: dict[int, Binding] = {}  # graph task id -> binding, while that backward runs
 
 
 def _output_hooked(t: torch.Tensor) -> bool:
@@ -343,17 +356,17 @@ class bound:
     (such as a Hugging Face model's ``loss``) is replaced by a view of itself,
     whose node is new; other roots keep their node and get the pre-hook."""
 
-    __slots__ = ("roots", "state", "tasks", "handles")
+    __slots__ = ("roots", "binding", "tasks", "handles")
 
-    def __init__(self, roots: Sequence[Any], state: State) -> None:
-        self.roots, self.state = roots, state
+    def __init__(self, roots: Sequence[Any], binding: Binding) -> None:
+        self.roots, self.binding = roots, binding
         self.tasks: list[int] = []
         self.handles: list[Any] = []
 
     def _bind(self, *_: Any) -> None:
         tid = torch._C._current_graph_task_id()
         if tid >= 0 and tid not in _by_task:
-            _by_task[tid] = self.state
+            _by_task[tid] = self.binding
             self.tasks.append(tid)
 
     def __enter__(self) -> tuple[Any, ...]:
@@ -385,9 +398,15 @@ class bound:
             _by_task.pop(tid, None)
 
 
+def task_binding() -> Binding | None:
+    """The binding of the graph task this thread is running a node of."""
+    return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
+
+
 def task_state() -> State | None:
     """The snapshot bound to the graph task this thread is running a node of."""
-    return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
+    binding = task_binding()
+    return None if binding is None else binding.state
 
 
 def backward_state() -> State | None:

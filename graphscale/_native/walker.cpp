@@ -837,12 +837,11 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
 // breadth-first walk that stops as soon as the answer is known: at the first
 // owned leaf under unowned="any"; under "plain_params" once an owned leaf and
 // an unowned nn.Parameter are both seen (else it walks everything); under
-// "plain" once an owned leaf and any unowned leaf are.  A custom-Function node
-// may run a nested backward over leaves no walk can see (reentrant
-// checkpointing): under "plain_params" and "plain" it means plan (nested
-// plans see them), under "any" it keeps "no owned leaf" from being concluded.
-// Returns 0: no owned leaf (the backward is left alone), 1: the fast path is
-// exact, 2: plan.
+// "plain" once an owned leaf and any unowned leaf are.  Returns 0: no owned
+// leaf, 1: the fast path is exact, 2: plan; plus 4 when a custom-Function
+// node was seen (it may run a nested backward over leaves no walk can see:
+// reentrant checkpointing; the backward then binds its task so that such a
+// nested backward is planned, NOTE [ Fast path ]).
 static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::handle param_type) {
   const Owners& owners = owners_obj.cast<const Owners&>();
   static thread_local NodeIndex index;
@@ -870,10 +869,7 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
       if (owned && unowned) result = 2;
       continue;
     }
-    if (is_py_node(node)) {
-      hidden = true;
-      if (policy != kAny) result = 2;
-    }
+    if (!hidden && is_py_node(node)) hidden = true;
     for (const auto& e : next) {
       Node* nxt = e.function.get();
       if (nxt == nullptr) continue;
@@ -883,8 +879,8 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
   }
   last = found.size();
   found.clear();
-  if (result >= 0) return result;
-  return owned ? 1 : (hidden ? 2 : 0);
+  if (result < 0) result = owned ? 1 : 0;
+  return result | (hidden ? 4 : 0);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
