@@ -285,6 +285,20 @@ def test_bystander_backward_is_exactly_what_it_is_without_graphscale(
     assert control <= DS_RTOL, f"the installed models' control backward is off by {control}: graphscale not live?"
 
 
+@pytest.mark.deepspeed
+@require_deepspeed
+@pytest.mark.parametrize("style", list(STYLES))
+def test_bystander_engine_oracle_is_what_deepspeed_alone_gives(request: pytest.FixtureRequest, style: str) -> None:
+    """The oracle of the uninstalled engine above (plain x 1/its GAS) is
+    DeepSpeed's own behaviour, in both generations, with nothing installed."""
+    bystander = _bystander("uninstalled_engine", request)
+    x = _data(21)
+    oracle = [g * bystander.factor for g in _plain_grads(bystander.oracle, lambda m: _bystander_loss(m(x)))]
+    STYLES[style](bystander, _bystander_loss(bystander.call(x)))
+    err = max_rel_err(full_grads(bystander.engine), oracle)
+    assert err <= DS_RTOL, f"DeepSpeed alone: relative error {err} against plain x {bystander.factor}"
+
+
 # ---------------------------------------------------------------- 3. mixed graphs
 @dataclass(frozen=True)
 class Mixed:
