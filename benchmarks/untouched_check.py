@@ -38,9 +38,11 @@ from graphscale import _backward, _native, _planning, _state
 POLICIES = ("plain_params", "any", "plain")
 
 # NOTE: thread CPU time, not wall time: on a shared machine a wall clock
-# counts the time this thread waits for a core (measured: 2-5x inflated
-# medians at load 4 on 2 cores); CPU time does not (cache and frequency
-# effects of the neighbours remain).  --wall switches to the wall clock.
+# also counts the time this thread waits for a core; CPU time does not, but
+# the neighbours' cache pressure and context switches still inflate it (on
+# the 2 shared cores at load 3-6, every absolute time here came out several
+# times what a quiet core gives; the ratios and the paired differences are
+# the numbers to read).  --wall switches to the wall clock.
 _clock = time.thread_time_ns
 
 
