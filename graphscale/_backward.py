@@ -68,6 +68,8 @@ the original, and removes every hook in a ``finally``.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -345,8 +347,10 @@ def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence
         recorder(0, walked, sum(1 for m in mults if m != 1.0))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
-            "graphscale: fast path, walked 0 nodes in 0 us, %d multiplication(s) (root seeds x %g), factors %s",
-            len(call.roots), f, sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
+            "graphscale: fast path, walked 0 nodes in %.1f us, %d multiplication(s) (root seeds x %g), "
+            "factors %s; the time is the probe's, nothing was planned%s",
+            walked * 1e6, sum(1 for m in mults if m != 1.0), f, sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
+            "; backwards nested in it will be" if nested is not None else "",
         )
     return call.run(state, seeds, laps=laps, nested=nested)
 
@@ -435,5 +439,20 @@ def _warn_unreached_groups(state: State, plan: Any) -> None:
         "compile wrapper) may have replaced the group's parameters after the Group was made: make the "
         "Group from the wrapped model, after wrapping. Those parameters got their plain gradient "
         f"(unowned={state.policy!r}).",
-        stacklevel=4,
+        stacklevel=_user_stacklevel(),
     )
+
+
+_SKIP_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` naming the first caller outside graphscale and torch
+    (the user's ``loss.backward()``, ``engine.backward(...)`` or
+    ``torch.autograd.backward(...)`` line), for a warning raised here."""
+    frame = sys._getframe(1)
+    level = 2  # warnings.warn's caller is level 1; this function's caller is that frame
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level - 1

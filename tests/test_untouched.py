@@ -482,10 +482,7 @@ def test_group_made_before_a_wrapper_swapped_its_parameters_warns_once(wrapper: 
 
 @pytest.mark.parametrize("style", [
     "torch.autograd.backward",
-    pytest.param("Tensor.backward", marks=pytest.mark.xfail(strict=True, reason=(
-        "graphscale bug: the swapped-parameters warning uses a fixed stacklevel=4, which names the user's "
-        "line only when torch.autograd.backward is called directly; through Tensor.backward it names "
-        "torch/_tensor.py"))),
+    "Tensor.backward",
 ])
 def test_swapped_parameters_warning_points_at_the_users_backward_call(style: str) -> None:
     a, b = _linear(1), _linear(2)
