@@ -118,7 +118,8 @@ def plan_fx(plan: ExplainedPlan) -> torch.fx.Graph:
         incoming[idx].append(val)
     made: list[torch.fx.Node] = []
     for i in range(n):  # parents come before children in node order
-        node = g.call_function(_stand_in(plan.node_types[i]), tuple(incoming[i]), name=_snake(plan.node_types[i]))
+        node = g.create_node("call_function", _stand_in(plan.node_types[i]), tuple(incoming[i]),
+                             name=_snake(plan.node_types[i]))
         node.meta["graphscale"] = {
             "kind": "grad_fn",
             "label": plan.node_names[i],
