@@ -120,6 +120,9 @@ class Rig:
         torch.manual_seed(7)
         self.upstream = torch.nn.Linear(4, 4)
         self.upstream_ref = copy.deepcopy(self.upstream)
+        # the engines' device: cuda under DS_ACCELERATOR=cuda (tests/test_cuda.py); the oracle stays on the CPU
+        self.device = next(iter(self.engines.values())).device
+        self.upstream.to(self.device)
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(3)
@@ -128,7 +131,7 @@ class Rig:
     def roots(self, inputs_require_grad: bool = False) -> list[torch.Tensor]:
         e = self.engines
         a = e.get("A")
-        self.inputs = tuple(t.requires_grad_(inputs_require_grad) for t in self._inputs())
+        self.inputs = tuple(t.to(self.device).requires_grad_(inputs_require_grad) for t in self._inputs())
         v = View(a, e.get("B"), None if a is None else a.module, self.upstream, *self.inputs)
         return GRAPHS[self.graph](v)
 
@@ -167,38 +170,43 @@ class Rig:
 class Hidden:
     """What :func:`caller_thread_local_hidden` saw."""
 
-    hidden: bool = False
+    reached: bool = False
     hook_calls: list[tuple[bool, bool]] = field(default_factory=list)  # (thread-local set, task bound)
 
     def problems(self) -> list[str]:
         out = []
-        if not self.hidden:
-            out.append("the backward never reached the roots' hook (nothing was hidden)")
+        if not self.reached:
+            out.append("the backward never reached the roots' hook")
         if not self.hook_calls:
             out.append("no DeepSpeed output hook asked graphscale which snapshot governs it")
         elif any(local for local, _ in self.hook_calls):
-            out.append("an output hook still saw the caller's thread-local snapshot: the emulation failed")
+            out.append("an output hook saw the caller's thread-local snapshot: it did not run as on a device "
+                       "thread (CPU: the emulation failed; CUDA: it ran on the caller's thread)")
         return out
 
 
 @contextmanager
 def caller_thread_local_hidden(roots: Sequence[torch.Tensor], monkeypatch: pytest.MonkeyPatch,
                                on_reach: Callable[[], None] | None = None) -> Iterator[Hidden]:
-    """Enter on the thread that runs the backward.  From the moment the
+    """Enter on the thread that calls the backward.  From the moment the
     backward reaches ``roots`` (graphscale's binding hook has run; no
     engine's output hook has), graphscale's thread-local governing stack
     reads empty on this thread, as on a CUDA device worker thread; then
     ``on_reach()`` runs (a pause).  Records, for every call of the output
     hooks' ``backward_state()``, whether the thread-local and the task
-    binding were there.  Restores the thread-local on exit."""
+    binding were there.  Restores the thread-local on exit.  Roots on a CUDA
+    device are not emulated: their nodes run on autograd's device threads,
+    which is what is recorded."""
     seen = Hidden()
     saved: list[list[Any]] = []
+    emulate = all(r.device.type == "cpu" for r in roots)
 
     def hide(grad: torch.Tensor) -> torch.Tensor:
-        if not saved:
-            saved.append(_state._local.governing)  # governing() pops from this list object on exit
-            _state._local.governing = []
-            seen.hidden = True
+        if not seen.reached:
+            seen.reached = True
+            if emulate:
+                saved.append(_state._local.governing)  # governing() pops from this list object on exit
+                _state._local.governing = []
             if on_reach is not None:
                 on_reach()
         return grad
@@ -307,9 +315,8 @@ def installed_mid_ungoverned_backward(make_engine: Callable[..., Any], case: Cas
                                       monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """(c) A backward begun ungoverned (plain torch.autograd.backward: nothing
     installed yet) on one thread; another thread installs the engines before
-    any output hook fires: that backward must stay DeepSpeed's own, gradient
-    for gradient equal to DeepSpeed alone on fresh engines with the same
-    weights."""
+    any output hook fires: that backward must stay DeepSpeed's own, equal to
+    DeepSpeed alone on fresh engines with the same weights."""
     alone = Rig(make_engine, case.graph, case.stage)
     alone.backward(case.call, alone.roots())
     want = alone.grads()
@@ -347,8 +354,8 @@ def installed_mid_ungoverned_backward(make_engine: Callable[..., Any], case: Cas
     if errors:
         return [f"the backward raised {type(e).__name__}: {e}" for e in errors]
     got = rig.grads()
-    return [f"engine {n}: differs from DeepSpeed alone (max |diff| {max((g - w).abs().max().item() for g, w in zip(got[n], want[n])):.3g})"
-            for n in want if not all(torch.equal(g, w) for g, w in zip(got[n], want[n], strict=True))]
+    errs = {n: max_rel_err(got[n], want[n]) for n in want}
+    return [f"engine {n}: differs from DeepSpeed alone by {err:.3g} (relative)" for n, err in errs.items() if err > TOL]
 
 
 def autograd_grad_while_installed(make_engine: Callable[..., Any], case: Case,
@@ -369,9 +376,8 @@ def autograd_grad_while_installed(make_engine: Callable[..., Any], case: Case,
     rig = Rig(make_engine, case.graph, case.stage, boundary=False)
     with graphscale.install(*rig.engines.values()):
         got = grads(rig)
-    if all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
-        return []
-    return [f"torch.autograd.grad differs from DeepSpeed alone's: relative error {max_rel_err(got, want):.3g}"]
+    err = max_rel_err(got, want)
+    return [] if err <= TOL else [f"torch.autograd.grad differs from DeepSpeed alone's: relative error {err:.3g}"]
 
 
 Runner = Callable[[Callable[..., Any], Case, pytest.MonkeyPatch], list[str]]
@@ -493,6 +499,9 @@ class _GradOfEngineInBackward(torch.autograd.Function):
     "threads the thread-local is empty and it keeps it)"))
 def test_autograd_grad_nested_in_a_governed_backward_gets_deepspeeds_own_division(make_engine: Any) -> None:
     def nested_grad(rig: Rig, installed: bool) -> torch.Tensor:
+        if rig.device.type != "cpu":
+            pytest.skip("on CUDA the Function's backward, and the grad nested in it, run on a device thread, "
+                        "where the caller's thread-local is not seen: this bug is the CPU's")
         out: list[torch.Tensor] = []
         x = rig._inputs()[0]
 
