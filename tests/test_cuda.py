@@ -33,6 +33,11 @@ from conftest import HAVE_DEEPSPEED, ds_device, require_deepspeed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.deepspeed, require_deepspeed]
 
+# CUDA's float32 kernels against the CPU oracle: other summation orders and
+# tanh; 1e-5 leaves a gap of four orders of magnitude to the smallest wrong
+# factor (0.5).  Not yet measured on a GPU.
+CUDA_FP32_TOL = 1e-5
+
 
 @pytest.fixture
 def on_cuda(request: pytest.FixtureRequest) -> Iterator[None]:
@@ -83,7 +88,7 @@ def test_every_engine_gets_its_own_factor_on_cuda(on_cuda: None, shape: Any, sta
     want = oracle(pool, shape)
     got = run_deepspeed(pool, shape, "graphscale")
     errs = errors(got, want, shape)
-    assert max(errs.values()) <= pool.tol, f"per-engine max relative error {errs}"
+    assert max(errs.values()) <= max(pool.tol, CUDA_FP32_TOL), f"per-engine max relative error {errs}"
     assert next(iter(pool.engines.values())).device.type == "cuda"
 
 
@@ -95,7 +100,7 @@ def test_deepspeed_alone_is_wrong_on_cuda_exactly_where_documented(on_cuda: None
     pool = Pool(stage, variant)
     want = oracle(pool, shape)
     errs = errors(run_deepspeed(pool, shape, "deepspeed_alone"), want, shape)
-    wrong = max(errs.values()) > pool.tol
+    wrong = max(errs.values()) > max(pool.tol, CUDA_FP32_TOL)
     assert wrong == shape.ds_wrong[generation()], f"DeepSpeed alone: per-engine max relative error {errs}"
 
 

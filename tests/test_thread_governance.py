@@ -54,6 +54,7 @@ from conftest import full_grads, max_rel_err, require_deepspeed
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
 TOL = 1e-6
+CUDA_TOL = 1e-5  # engines on CUDA (tests/test_cuda.py) against the CPU oracle: other kernels; not yet measured
 GAS = {"A": 2, "B": 4}
 WAIT_S = 120
 
@@ -148,10 +149,15 @@ class Rig:
     def grads(self) -> dict[str, list[torch.Tensor]]:
         return {n: full_grads(e) for n, e in self.engines.items()}
 
+    @property
+    def tol(self) -> float:
+        return TOL if self.device.type == "cpu" else CUDA_TOL
+
     def mismatches(self, want: dict[str, list[torch.Tensor]]) -> list[str]:
         got = self.grads()
         errs = {n: max_rel_err(got[n], want[n]) for n in want}
-        return [f"engine {n}: relative error {err:.3g} vs plain x 1/{GAS[n]}" for n, err in errs.items() if err > TOL]
+        return [f"engine {n}: relative error {err:.3g} vs plain x 1/{GAS[n]}" for n, err in errs.items()
+                if err > self.tol]
 
     def backward(self, call: str, roots: list[torch.Tensor]) -> None:
         loss = roots[0] if len(roots) == 1 else sum(roots[1:], roots[0])
@@ -355,7 +361,8 @@ def installed_mid_ungoverned_backward(make_engine: Callable[..., Any], case: Cas
         return [f"the backward raised {type(e).__name__}: {e}" for e in errors]
     got = rig.grads()
     errs = {n: max_rel_err(got[n], want[n]) for n in want}
-    return [f"engine {n}: differs from DeepSpeed alone by {err:.3g} (relative)" for n, err in errs.items() if err > TOL]
+    return [f"engine {n}: differs from DeepSpeed alone by {err:.3g} (relative)" for n, err in errs.items()
+            if err > rig.tol]
 
 
 def autograd_grad_while_installed(make_engine: Callable[..., Any], case: Case,
@@ -377,7 +384,7 @@ def autograd_grad_while_installed(make_engine: Callable[..., Any], case: Case,
     with graphscale.install(*rig.engines.values()):
         got = grads(rig)
     err = max_rel_err(got, want)
-    return [] if err <= TOL else [f"torch.autograd.grad differs from DeepSpeed alone's: relative error {err:.3g}"]
+    return [] if err <= rig.tol else [f"torch.autograd.grad differs from DeepSpeed alone's: relative error {err:.3g}"]
 
 
 Runner = Callable[[Callable[..., Any], Case, pytest.MonkeyPatch], list[str]]
