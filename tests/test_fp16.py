@@ -13,7 +13,7 @@ gradient times its engine's ``loss_scale / GAS``; fp16 weights and
 activations against a float32 oracle: relative tolerance ``FP16_TOL``.
 
 Where they run.  DeepSpeed's CPU accelerator reports fp16 unsupported on
-this CPU (no fp16 kernels in its oneDNN), but torch's CPU half kernels run
+this CPU (``torch.ops.mkldnn._is_mkldnn_fp16_supported()`` is false), but torch's CPU half kernels run
 these small models, and DeepSpeed's fp16 ZeRO 1/2/3 engines build and train
 on the CPU once the accelerator's capability flag says yes.  So the ``cpu``
 variants force ``is_fp16_supported()`` to True for the test (monkeypatched on
