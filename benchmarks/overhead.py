@@ -1010,8 +1010,13 @@ def run_table(torch: Any, args: argparse.Namespace, sizes: list[Size], wl_names:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed puts engines on its accelerator's device, whatever device the module was moved to:
+    # the two must agree (an inherited DS_ACCELERATOR=cpu under --device cuda would time CPU engines).
+    accelerator = os.environ.setdefault("DS_ACCELERATOR", args.device)
+    if accelerator != args.device:
+        print(f"benchmarks/overhead.py: --device {args.device} but DS_ACCELERATOR={accelerator}; "
+              f"unset it or set DS_ACCELERATOR={args.device}", file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     import torch
 

@@ -70,9 +70,18 @@ def _restore_torch_linear() -> Any:
     torch.nn.functional.linear = linear
 
 
+def ds_device() -> str:
+    """The device DeepSpeed's accelerator puts engines on: "cpu" unless the
+    session runs with DS_ACCELERATOR=cuda (scripts/gpu_check.sh)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
 @pytest.fixture(scope="session")
 def ds_dist() -> None:
-    """One-rank gloo process group for every DeepSpeed test in this process."""
+    """One-rank process group for every DeepSpeed test in this process: gloo
+    on the CPU accelerator, NCCL on CUDA's."""
     if not HAVE_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     import deepspeed
@@ -80,7 +89,7 @@ def ds_dist() -> None:
     if not torch.distributed.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if ds_device() == "cuda" else "gloo")
 
 
 def ds_config(gas: int, stage: int, bf16: bool = False, offload: bool = False) -> dict[str, Any]:
@@ -115,10 +124,10 @@ def make_engine(ds_dist: None) -> Callable[..., Any]:
 
 
 def full_grads(engine: Any) -> list[torch.Tensor]:
-    """Every parameter's full gradient, at any ZeRO stage."""
+    """Every parameter's full gradient, at any ZeRO stage, as float32 on the CPU."""
     from deepspeed.utils import safe_get_full_grad
 
-    return [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
+    return [safe_get_full_grad(p).detach().float().cpu().clone() for p in engine.module.parameters()]
 
 
 def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -217,4 +226,4 @@ def graphscale_hooks_left(handles: list[Any]) -> list[str]:
     return left
 
 
-__all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "full_grads", "max_rel_err", "grad_mismatches", "graphscale"]
+__all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "ds_device", "full_grads", "max_rel_err", "grad_mismatches", "graphscale"]

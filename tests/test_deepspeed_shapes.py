@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import graphscale
-from conftest import ds_config, full_grads, max_rel_err, require_deepspeed
+from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -63,7 +63,8 @@ def _ds_checkpointing_broken() -> str:
     (0.19.5 asks the CPU accelerator for a Stream, which it has not.)"""
     from deepspeed.runtime.activation_checkpointing import checkpointing as dc
 
-    lin, x = torch.nn.Linear(2, 2), torch.ones(1, 2, requires_grad=True)
+    device = ds_device()
+    lin, x = torch.nn.Linear(2, 2).to(device), torch.ones(1, 2, device=device, requires_grad=True)
     try:
         dc.checkpoint(lin, x).sum().backward()
         dc.non_reentrant_checkpoint(lin, x).sum().backward()
@@ -175,8 +176,10 @@ def ds_view(pool: Pool, names: Any, ckpt: tuple[str, bool] | None = None) -> Vie
     m = {n: e[n].module for n in e}
     for mod in m.values():
         mod.ckpt = ckpt
-    x, y = _inputs(pool.dtype)
-    return View(e.get("A"), e.get("B"), e.get("C"), m.get("A"), m.get("B"), pool.upstream.to(pool.dtype), x, y)
+    device = ds_device()  # the engines' (cuda under DS_ACCELERATOR=cuda: tests/test_cuda.py); the oracle stays on the CPU
+    x, y = _inputs(pool.dtype, device)
+    upstream = pool.upstream.to(device=device, dtype=pool.dtype)
+    return View(e.get("A"), e.get("B"), e.get("C"), m.get("A"), m.get("B"), upstream, x, y)
 
 
 def ref_view(pool: Pool, names: Any, ckpt: tuple[str, bool] | None = None) -> View:
@@ -189,9 +192,9 @@ def ref_view(pool: Pool, names: Any, ckpt: tuple[str, bool] | None = None) -> Vi
     return View(r.get("A"), r.get("B"), r.get("C"), r.get("A"), r.get("B"), pool.upstream_ref, x, y)
 
 
-def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return torch.randn(3, 4, generator=g).to(dtype), torch.randn(3, 4, generator=g).to(dtype)
+    return (torch.randn(3, 4, generator=g).to(device, dtype), torch.randn(3, 4, generator=g).to(device, dtype))
 
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
@@ -361,14 +364,14 @@ def run_deepspeed(pool: Pool, shape: Shape, mode: str, roots: list[torch.Tensor]
     try:
         if roots is None:
             roots = GRAPHS[shape.graph](ds_view(pool, shape.gas, shape.ckpt_inside))
-        loss = sum(r.detach() for r in roots)
+        loss = sum(r.detach() for r in roots).cpu()
         returned = _backward(shape.call, roots, engines)
     finally:
         if inst is not None:
             inst.remove()
     up = pool.upstream.weight.grad
     return Result({n: full_grads(e) for n, e in engines.items()},
-                  None if up is None else up.detach().float().clone(), returned, loss)
+                  None if up is None else up.detach().float().cpu().clone(), returned, loss)
 
 
 def oracle(pool: Pool, shape: Shape, gas: dict[str, int] | None = None) -> Result:
@@ -420,7 +423,7 @@ def test_every_engine_gets_its_own_factor_under_graphscale(pools: Any, shape: Sh
     if shape.call.startswith("engine:"):
         caller = shape.call.split(":")[1]
         expect = got.loss / shape.gas[caller] if shape.scale else got.loss
-        assert got.returned is not None and torch.equal(got.returned.detach().float(), expect.float())
+        assert got.returned is not None and torch.equal(got.returned.detach().float().cpu(), expect.float())
 
 
 @pytest.mark.parametrize("shape, stage, variant", _cases(SHAPES))
