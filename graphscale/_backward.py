@@ -70,6 +70,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -83,7 +84,7 @@ from . import _planning, _state
 from ._group import Group
 from ._state import State
 
-__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "BackwardCall", "fast_path_factor", "decide", "Decision",
+__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "patch", "BackwardCall", "fast_path_factor", "decide", "Decision",
            "normalize", "UNTOUCHED", "FAST_PATH", "PLANNED"]
 
 _log = logging.getLogger("graphscale")
@@ -278,6 +279,43 @@ def _carries(roots: Sequence[Any], default: float) -> list[float]:
     return [t.__dict__.get(_state.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
 
 
+# ---------------------------------------------------------------- the patch
+# NOTE [ The patch outlives remove() until the backward ends ]
+# remove() of the last installation may run inside a backward (a hook,
+# another thread).  That backward keeps its snapshot, and the backwards
+# nested in it (reentrant checkpointing recomputes and calls
+# torch.autograd.backward) must still reach governed_backward to be planned
+# from it; so torch.autograd.backward goes back to the original only once no
+# top-level governed backward runs: at remove() if none does, else when the
+# last one ends.
+_patch_lock = threading.Lock()
+_top_level_running = 0
+
+
+def patch(on: bool) -> None:
+    """Make ``torch.autograd.backward`` the governed one (``on``), or the
+    original again as soon as no governed backward runs."""
+    with _patch_lock:
+        if on:
+            torch.autograd.backward = governed_backward
+        elif _top_level_running == 0 and torch.autograd.backward is governed_backward:
+            torch.autograd.backward = ORIGINAL_BACKWARD
+
+
+def _enter() -> None:
+    global _top_level_running
+    with _patch_lock:
+        _top_level_running += 1
+
+
+def _leave() -> None:
+    global _top_level_running
+    with _patch_lock:
+        _top_level_running -= 1
+        if _top_level_running == 0 and _state.current() is None and torch.autograd.backward is governed_backward:
+            torch.autograd.backward = ORIGINAL_BACKWARD
+
+
 # ---------------------------------------------------------------- the backward
 def governed_backward(
     tensors: Any,
@@ -304,31 +342,38 @@ def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | Non
     state = _state.current()
     if state is None:
         return call.run(None)
+    _enter()
+    try:
+        return _run_top_level(call, state, laps)
+    finally:
+        _leave()
+
+
+def _run_top_level(call: BackwardCall, state: State, laps: _state.Laps | None) -> None:
     if state.pending:  # NOTE [ FSDP2's backward leaves ]
         state = state.ready()
-    # NOTE [ Which snapshot an output hook obeys ]
-    with _state.governing(state):
-        if call.roots is None:
-            return call.run(state)
-        scaling, default_carries = _state.engine_backward_frame()
-        factors = state.read_factors(scaling)  # may raise: nothing touched yet
-        carries = _carries(call.roots, default_carries)
-        if laps:
-            laps("prepare")
-        t0 = time.perf_counter()
-        decision = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
-        walked = time.perf_counter() - t0
-        if laps:
-            laps("walk+plan")
-        nested = None if decision.nested is None else (factors, decision.nested)
-        if decision.kind == UNTOUCHED:
-            return call.run(state, laps=laps, nested=nested)
-        if decision.kind == FAST_PATH:
-            return _run_fast_path(call, state, decision.factor, carries, factors, walked, laps, nested)
-        plan = decision.plan
-        if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
-            _warn_unreached_groups(state, plan)
-        return _run_plan(call, plan, _state.Running(plan, factors, state), walked, carries, laps)
+    # NOTE [ Which snapshot an output hook obeys ]: call.run binds the graph task
+    if call.roots is None:
+        return call.run(state)
+    scaling, default_carries = _state.engine_backward_frame()
+    factors = state.read_factors(scaling)  # may raise: nothing touched yet
+    carries = _carries(call.roots, default_carries)
+    if laps:
+        laps("prepare")
+    t0 = time.perf_counter()
+    decision = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
+    walked = time.perf_counter() - t0
+    if laps:
+        laps("walk+plan")
+    nested = None if decision.nested is None else (factors, decision.nested)
+    if decision.kind == UNTOUCHED:
+        return call.run(state, laps=laps, nested=nested)
+    if decision.kind == FAST_PATH:
+        return _run_fast_path(call, state, decision.factor, carries, factors, walked, laps, nested)
+    plan = decision.plan
+    if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
+        _warn_unreached_groups(state, plan)
+    return _run_plan(call, plan, _state.Running(plan, factors, state), walked, carries, laps)
 
 
 def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence[float],

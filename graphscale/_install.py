@@ -99,8 +99,7 @@ def _refresh() -> None:
     """Rebuild the snapshot from the active installations; patch or unpatch torch."""
     if not _installations:
         _state.set_current(None)
-        if torch.autograd.backward is _backward.governed_backward:
-            torch.autograd.backward = _backward.ORIGINAL_BACKWARD
+        _backward.patch(False)  # NOTE [ The patch outlives remove() until the backward ends ]
         return
     state = _state.State.of(
         (g for inst in _installations for g in inst._groups),
@@ -110,7 +109,7 @@ def _refresh() -> None:
     if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
         _native.owners_for(state, native)
     _state.set_current(state)
-    torch.autograd.backward = _backward.governed_backward
+    _backward.patch(True)
 
 
 def install(*groups: Any, unowned: str = "plain_params") -> Installation:

@@ -42,7 +42,7 @@ from ._group import Group
 
 __all__ = [
     "UNOWNED_POLICIES", "check_policy", "strictest", "State", "current", "set_current", "engine_backward",
-    "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "governing", "governing_state", "Binding",
+    "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "Binding",
     "bound", "task_binding", "task_state", "backward_state", "Running", "running_plan", "running", "find_enclosing",
     "enclosing_phi", "observer", "walk_recorder", "phase_recorder", "Laps", "laps",
 ]
@@ -248,7 +248,6 @@ def current() -> State | None:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.engine_calls: list[tuple[bool, float]] = []  # engine.backward frames, innermost last
-        self.governing: list[State] = []  # snapshots of governed backwards on this thread
 
 
 _local = _Local()
@@ -305,24 +304,16 @@ CARRIES_ATTR = "_graphscale_carries"
 # governs engines binds its autograd graph task to its snapshot (bound()):
 # each root is replaced by a view of itself whose tensor hook, the first hook
 # of the task's first node, records torch._C._current_graph_task_id() ->
-# snapshot; a nested backward binds its own task the same way.  The graph
-# task id is what every thread running the task's nodes reads, the caller's
-# and autograd's device threads (CUDA) alike.  The adapter's hook asks
-# backward_state(): the snapshot bound to the running task, else (a root
-# that could not be viewed) the thread-local snapshot of the governed
-# backward running on this thread (exact on CPU, where nodes run on the
-# caller's thread).  An unbound task is an ungoverned backward
+# snapshot; a nested backward binds its own task the same way (every task
+# whose graph may hold an engine's output hook: a plan that saw no tensor
+# hook anywhere binds nothing).  The graph task id is what every thread
+# running the task's nodes reads, the caller's and autograd's device threads
+# (CUDA) alike, and it is the only thing the adapter's hook asks
+# (backward_state()): no thread-local, which a device thread would not see
+# and which would make a torch.autograd.grad nested in a governed backward on
+# the same thread look governed.  An unbound task is an ungoverned backward
 # (torch.autograd.grad, or one begun before install): DeepSpeed's own
 # division applies there, as without graphscale.
-def governing(state: State) -> AbstractContextManager[None]:
-    """Mark ``state`` as the snapshot of the top-level backward running on this thread."""
-    return _Pushed(_local.governing, state)
-
-
-def governing_state() -> State | None:
-    """The snapshot of the governed backward running on this thread, if any."""
-    stack = _local.governing
-    return stack[-1] if stack else None
 
 
 class Binding:
@@ -411,9 +402,8 @@ def task_state() -> State | None:
 
 def backward_state() -> State | None:
     """The snapshot governing the backward this code runs inside (an output
-    hook): the running task's, else this thread's governed backward's."""
-    state = task_state()
-    return state if state is not None else governing_state()
+    hook): the one bound to the running graph task, or None (ungoverned)."""
+    return task_state()
 
 
 # ---------------------------------------------------------------- running plans

