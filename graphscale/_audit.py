@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from . import _state
-from ._backward import normalize
+from ._call import normalize
 from ._errors import AuditError, GraphscaleError
 from ._group import Group, spec_reads
 from ._planning import root_node

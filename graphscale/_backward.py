@@ -40,52 +40,28 @@ the original, and removes every hook in a ``finally``.
 # graph) pinned to p, so the node hands back gradients at p as the outer plan
 # expects.  The outer plan is found through a process-wide registry keyed by
 # node (_state.find_enclosing), not through thread-local state: CUDA backward
-# runs nodes on autograd worker threads.  Inside a fast-path backward
-# everything already carries the one factor, so a nested backward found in no
-# walked plan runs untouched.
-#
-# NOTE [ Unowned leaves in nested backward ]
-# An unowned leaf may be reached by the outer backward and by nested ones
-# (an unowned layer used inside and outside a checkpointed segment, or in two
-# segments under different groups).  Left free, each plan would give it the
-# potential of its own surroundings and its gradient would mix factors, which
-# even unowned="any" forbids.  So a nested plan pins each unowned leaf to the
-# potential a running (enclosing) plan already gave its AccumulateGrad node;
-# an unowned Parameter that none has seen is pinned to 1, the same value in
-# every nested backward; an unseen non-Parameter leaf is a carrier (above).
-# Known limit: a requires-grad non-Parameter tensor that a checkpointed
-# function closes over, and that the outer graph never reaches, looks like a
-# carrier and gets the carrier's potential.
-#
-# NOTE [ Nested backward through the enclosing graph ]
-# A custom Function's backward may call torch.autograd.backward on tensors of
-# the enclosing graph itself (it kept one from forward).  Those nodes already
-# carry the enclosing plan's hooks, which stay registered while it runs.  The
-# nested plan pins each such node to the potential the enclosing plan gave it
-# and places no multiplication on edges leaving it: the enclosing hooks
-# already apply exactly those ratios, and a second hook would scale twice.
+# runs nodes on autograd worker threads.  Inside a backward that was not
+# planned (the fast path, or left alone), a nested backward is planned from
+# the potential its graph task is bound to (NOTE [ Fast path ]), or runs
+# untouched where nothing is bound (everything carries the one factor under
+# "any"; an ungoverned backward).
 """
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
-import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import _planning, _state
+from . import _call, _planning, _state
 from ._group import Group
 from ._state import State
 
-__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "patch", "BackwardCall", "fast_path_factor", "decide", "Decision",
-           "normalize", "UNTOUCHED", "FAST_PATH", "PLANNED"]
+__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "patch", "BackwardCall"]
 
 _log = logging.getLogger("graphscale")
 
@@ -93,16 +69,6 @@ ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
 
 
 # ---------------------------------------------------------------- the call
-def _materialize(arg: Any) -> Any:
-    """``arg`` as a tuple when it is an iterable other than a tensor, tuple or list."""
-    if arg is None or isinstance(arg, (torch.Tensor, tuple, list)):  # GradientEdge is a tuple
-        return arg
-    try:
-        return tuple(arg)
-    except TypeError:  # not iterable: torch's own error message is the right one
-        return arg
-
-
 class BackwardCall(NamedTuple):
     """One call of ``torch.autograd.backward``, as given and as planned for.
 
@@ -126,8 +92,8 @@ class BackwardCall(NamedTuple):
     @classmethod
     def of(cls, tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
            grad_variables: Any, inputs: Any) -> BackwardCall:
-        tensors, grad_tensors, inputs = _materialize(tensors), _materialize(grad_tensors), _materialize(inputs)
-        norm = None if grad_variables is not None else normalize(tensors, grad_tensors)
+        tensors, grad_tensors, inputs = _call.materialize(tensors), _call.materialize(grad_tensors), _call.materialize(inputs)
+        norm = None if grad_variables is not None else _call.normalize(tensors, grad_tensors)
         in_tuple = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
@@ -159,51 +125,6 @@ class BackwardCall(NamedTuple):
                 laps.skip()
 
 
-def normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """(roots, seeds) of a backward call, or None when torch would reject it."""
-    if isinstance(tensors, (torch.Tensor, GradientEdge)):
-        roots: tuple[Any, ...] = (tensors,)
-    else:
-        roots = tuple(tensors)
-    if grad_tensors is None:
-        grads: list[Any] = [None] * len(roots)
-    elif isinstance(grad_tensors, torch.Tensor):
-        grads = [grad_tensors]
-    else:
-        grads = list(grad_tensors)
-    if len(grads) != len(roots):
-        return None
-    for t in roots:
-        if isinstance(t, GradientEdge):
-            continue
-        if not isinstance(t, torch.Tensor) or (t.grad_fn is None and not t.requires_grad):
-            return None
-    return roots, grads
-
-
-def _scaled_seeds(roots: Sequence[Any], grads: Sequence[Any], mults: Sequence[float]) -> list[Any] | None:
-    """Seeds multiplied by ``mults``; None when a seed cannot be made (let torch raise)."""
-    out = list(grads)
-    for r, m in enumerate(mults):
-        if m == 1.0:
-            continue
-        g = out[r]
-        if g is None:
-            t = roots[r]
-            if isinstance(t, GradientEdge):  # implicit seed of a scalar edge, as torch makes it
-                md = t.node._input_metadata[t.output_nr]
-                if md.is_nested_tensor or torch.Size(md.shape).numel() != 1:
-                    return None
-                g = torch.ones(md.shape, dtype=md.dtype, device=md.device)
-            elif not isinstance(t, torch.Tensor) or t.numel() != 1:
-                return None
-            else:  # torch's implicit seed, already multiplied: one op instead of two
-                out[r] = torch.full_like(t, m, memory_format=torch.preserve_format)
-                continue
-        out[r] = g * m
-    return out
-
-
 def _post_hook(mults: tuple[tuple[int, float], ...], laps: _state.Laps | None) -> Callable[..., Any]:
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         out = list(grad_inputs)
@@ -224,59 +145,6 @@ def _post_hook(mults: tuple[tuple[int, float], ...], laps: _state.Laps | None) -
         return out
 
     return timed
-
-
-def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
-    """The one factor in play (1.0 when none), or None when several are and
-    the backward must plan.  See NOTE [ Fast path ]; :func:`graphscale.explain`
-    asks the same question."""
-    distinct = set(factors.values())
-    if len(distinct) > 1:
-        return None
-    return distinct.pop() if distinct else 1.0
-
-
-UNTOUCHED, FAST_PATH, PLANNED = "untouched", "fast path", "planned"
-
-
-class Decision(NamedTuple):
-    """What a top-level backward does: ``kind`` (UNTOUCHED, FAST_PATH or
-    PLANNED), the one ``factor`` of the fast path, the ``plan`` when planned,
-    and ``nested``: the potential from which a backward nested in an
-    unplanned one must be planned (custom-Function nodes may hide leaves;
-    NOTE [ Fast path ]), or None."""
-
-    kind: str
-    factor: float = 1.0
-    plan: Any = None
-    nested: float | None = None
-
-
-def decide(roots: Sequence[Any], state: State, factors: Mapping[Group, float], inputs: tuple[Any, ...],
-           seeds_carry_nothing: bool = True) -> Decision:
-    """What a top-level backward of ``roots`` does; :func:`graphscale.explain`
-    asks the same question."""
-    f = fast_path_factor(factors)
-    if f is not None:
-        if f == 1.0 and seeds_carry_nothing:
-            return Decision(UNTOUCHED)  # every factor 1: nothing to do, nested or not
-        verdict, hidden = _planning.probe(roots, state)
-        if verdict == _planning.NO_OWNED and not hidden:
-            return Decision(UNTOUCHED)  # NOTE [ Unowned leaves ]: not graphscale's backward
-        if verdict == _planning.NO_OWNED and seeds_carry_nothing:
-            return Decision(UNTOUCHED, nested=1.0)  # owned leaves may hide behind a custom Function
-        if verdict == _planning.FAST:
-            return Decision(FAST_PATH, f, nested=f if hidden and state.policy != "any" else None)
-    plan = _planning.plan_backward(roots, _planning.top_level_request(state, factors, inputs))
-    if not plan.owned_leaves and not plan.custom_nodes:
-        return Decision(UNTOUCHED)
-    return Decision(PLANNED, plan=plan)
-
-
-def _carries(roots: Sequence[Any], default: float) -> list[float]:
-    """What each root's seed carries already: ``default`` (an fp16
-    ``engine.backward``'s loss scale), or a tag left by ``engine.scale``."""
-    return [t.__dict__.get(_state.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
 
 
 # ---------------------------------------------------------------- the patch
@@ -357,22 +225,22 @@ def _run_top_level(call: BackwardCall, state: State, laps: _state.Laps | None) -
         return call.run(state)
     scaling, default_carries = _state.engine_backward_frame()
     factors = state.read_factors(scaling)  # may raise: nothing touched yet
-    carries = _carries(call.roots, default_carries)
+    carries = _call.carries(call.roots, default_carries)
     if laps:
         laps("prepare")
     t0 = time.perf_counter()
-    decision = decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
+    decision = _planning.decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
     walked = time.perf_counter() - t0
     if laps:
         laps("walk+plan")
     nested = None if decision.nested is None else (factors, decision.nested)
-    if decision.kind == UNTOUCHED:
+    if decision.kind == _planning.UNTOUCHED:
         return call.run(state, laps=laps, nested=nested)
-    if decision.kind == FAST_PATH:
+    if decision.kind == _planning.FAST_PATH:
         return _run_fast_path(call, state, decision.factor, carries, factors, walked, laps, nested)
     plan = decision.plan
     if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
-        _warn_unreached_groups(state, plan)
+        _planning.warn_unreached_groups(state, plan)
     return _run_plan(call, plan, _state.Running(plan, factors, state), walked, carries, laps)
 
 
@@ -382,7 +250,7 @@ def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence
     """NOTE [ Fast path ]: every seed times ``f``, nothing planned."""
     assert call.roots is not None and call.grads is not None
     mults = [f / c for c in carries]
-    seeds = _scaled_seeds(call.roots, call.grads, mults)
+    seeds = _call.scaled_seeds(call.roots, call.grads, mults)
     if seeds is None:
         return call.run(state)
     if laps:
@@ -433,7 +301,7 @@ def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, walked: floa
         recorder(plan.num_nodes, walked, multiplications)
     seeds: Any = None
     if multiplications:
-        seeds = _scaled_seeds(call.roots, call.grads, mults)
+        seeds = _call.scaled_seeds(call.roots, call.grads, mults)
         if seeds is None:
             return call.run(entry.state)
         if laps:
@@ -461,43 +329,3 @@ def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, walked: floa
             h.remove()
         if laps:
             laps("hooks off")
-
-
-_warned: weakref.WeakSet[Group] = weakref.WeakSet()
-
-
-def _warn_unreached_groups(state: State, plan: Any) -> None:
-    """Issue 10: a governed backward that reaches unowned nn.Parameters but
-    none of some group's is almost always a wrapper (FSDP, a PEFT or
-    compile wrapper) that swapped the group's parameters; say so, once per group."""
-    reached = set(plan.groups_reached())
-    missing = [g for k, g in enumerate(state.groups) if k not in reached and g not in _warned and g.parameters]
-    if not missing:
-        return
-    _warned.update(missing)
-    params = plan.unowned_parameters()
-    shapes = ", ".join(str(tuple(p.shape)) for p in params[:6]) + (", ..." if len(params) > 6 else "")
-    names = ", ".join(repr(g.name) for g in missing)
-    warnings.warn(
-        f"graphscale: this backward reached none of the parameters of group(s) {names} but reached "
-        f"{len(params)} nn.Parameter(s) that no group owns (shapes {shapes}). A wrapper (FSDP, a PEFT or "
-        "compile wrapper) may have replaced the group's parameters after the Group was made: make the "
-        "Group from the wrapped model, after wrapping. Those parameters got their plain gradient "
-        f"(unowned={state.policy!r}).",
-        stacklevel=_user_stacklevel(),
-    )
-
-
-_SKIP_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` naming the first caller outside graphscale and torch
-    (the user's ``loss.backward()``, ``engine.backward(...)`` or
-    ``torch.autograd.backward(...)`` line), for a warning raised here."""
-    frame = sys._getframe(1)
-    level = 2  # warnings.warn's caller is level 1; this function's caller is that frame
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
-        frame = frame.f_back
-        level += 1
-    return level - 1

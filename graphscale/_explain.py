@@ -21,11 +21,11 @@ import torch
 import torch.fx
 
 from . import _state
-from ._backward import FAST_PATH, PLANNED, decide, normalize
+from ._call import normalize
 from ._errors import GraphscaleError
 from ._group import Group
 from ._plan import Plan
-from ._planning import build_plan, root_node, top_level_request
+from ._planning import FAST_PATH, PLANNED, build_plan, decide, root_node, top_level_request
 from ._render import plan_dot, plan_fx, plan_text
 from ._state import State
 

@@ -7,9 +7,33 @@ walker (``_native/walker.cpp``) repeats exactly this computation in C++;
 :func:`plan_backward` uses it when it is loaded and this module otherwise.
 Both return an object with the same surface (:class:`PyPlan`): ``seeds``,
 ``num_nodes``, ``multiplications``, ``hooks()``, ``phi_of(node)``.
+
+# NOTE [ Unowned leaves in nested backward ]
+# An unowned leaf may be reached by the outer backward and by nested ones
+# (an unowned layer used inside and outside a checkpointed segment, or in two
+# segments under different groups).  Left free, each plan would give it the
+# potential of its own surroundings and its gradient would mix factors, which
+# even unowned="any" forbids.  So a nested plan pins each unowned leaf to the
+# potential a running (enclosing) plan already gave its AccumulateGrad node;
+# an unowned Parameter that none has seen is pinned to 1, the same value in
+# every nested backward; an unseen non-Parameter leaf is a carrier (above).
+# Known limit: a requires-grad non-Parameter tensor that a checkpointed
+# function closes over, and that the outer graph never reaches, looks like a
+# carrier and gets the carrier's potential.
+#
+# NOTE [ Nested backward through the enclosing graph ]
+# A custom Function's backward may call torch.autograd.backward on tensors of
+# the enclosing graph itself (it kept one from forward).  Those nodes already
+# carry the enclosing plan's hooks, which stay registered while it runs.  The
+# nested plan pins each such node to the potential the enclosing plan gave it
+# and places no multiplication on edges leaving it: the enclosing hooks
+# already apply exactly those ratios, and a second hook would scale twice.
 """
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,7 +50,8 @@ from ._walk import walk
 
 __all__ = [
     "root_node", "PlanRequest", "Reached", "build_plan", "PyPlan", "native_plan", "plan_backward", "plan_nested",
-    "top_level_request", "checkpoint_hint", "probe", "NO_OWNED", "FAST", "PLAN",
+    "top_level_request", "checkpoint_hint", "probe", "NO_OWNED", "FAST", "PLAN", "fast_path_factor", "Decision",
+    "decide", "UNTOUCHED", "FAST_PATH", "PLANNED", "warn_unreached_groups",
 ]
 
 
@@ -323,6 +348,95 @@ def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
     else:
         code = _probe_python(roots, state)
     return code & 3, bool(code & HIDDEN)
+
+
+# ---------------------------------------------------------------- what a backward does
+def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
+    """The one factor in play (1.0 when none), or None when several are and
+    the backward must plan.  See NOTE [ Fast path ]; :func:`graphscale.explain`
+    asks the same question."""
+    distinct = set(factors.values())
+    if len(distinct) > 1:
+        return None
+    return distinct.pop() if distinct else 1.0
+
+
+UNTOUCHED, FAST_PATH, PLANNED = "untouched", "fast path", "planned"
+
+
+class Decision(NamedTuple):
+    """What a top-level backward does: ``kind`` (UNTOUCHED, FAST_PATH or
+    PLANNED), the one ``factor`` of the fast path, the ``plan`` when planned,
+    and ``nested``: the potential from which a backward nested in an
+    unplanned one must be planned (custom-Function nodes may hide leaves;
+    NOTE [ Fast path ]), or None."""
+
+    kind: str
+    factor: float = 1.0
+    plan: Any = None
+    nested: float | None = None
+
+
+def decide(roots: Sequence[Any], state: State, factors: Mapping[Group, float], inputs: tuple[Any, ...],
+           seeds_carry_nothing: bool = True) -> Decision:
+    """What a top-level backward of ``roots`` does; :func:`graphscale.explain`
+    asks the same question."""
+    f = fast_path_factor(factors)
+    if f is not None:
+        if f == 1.0 and seeds_carry_nothing:
+            return Decision(UNTOUCHED)  # every factor 1: nothing to do, nested or not
+        verdict, hidden = probe(roots, state)
+        if verdict == NO_OWNED and not hidden:
+            return Decision(UNTOUCHED)  # NOTE [ Unowned leaves ]: not graphscale's backward
+        if verdict == NO_OWNED and seeds_carry_nothing:
+            return Decision(UNTOUCHED, nested=1.0)  # owned leaves may hide behind a custom Function
+        if verdict == FAST:
+            return Decision(FAST_PATH, f, nested=f if hidden and state.policy != "any" else None)
+    plan = plan_backward(roots, top_level_request(state, factors, inputs))
+    if not plan.owned_leaves and not plan.custom_nodes:
+        return Decision(UNTOUCHED)
+    return Decision(PLANNED, plan=plan)
+
+
+
+_warned: weakref.WeakSet[Group] = weakref.WeakSet()
+
+
+def warn_unreached_groups(state: State, plan: Any) -> None:
+    """Issue 10: a governed backward that reaches unowned nn.Parameters but
+    none of some group's is almost always a wrapper (FSDP, a PEFT or
+    compile wrapper) that swapped the group's parameters; say so, once per group."""
+    reached = set(plan.groups_reached())
+    missing = [g for k, g in enumerate(state.groups) if k not in reached and g not in _warned and g.parameters]
+    if not missing:
+        return
+    _warned.update(missing)
+    params = plan.unowned_parameters()
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:6]) + (", ..." if len(params) > 6 else "")
+    names = ", ".join(repr(g.name) for g in missing)
+    warnings.warn(
+        f"graphscale: this backward reached none of the parameters of group(s) {names} but reached "
+        f"{len(params)} nn.Parameter(s) that no group owns (shapes {shapes}). A wrapper (FSDP, a PEFT or "
+        "compile wrapper) may have replaced the group's parameters after the Group was made: make the "
+        "Group from the wrapped model, after wrapping. Those parameters got their plain gradient "
+        f"(unowned={state.policy!r}).",
+        stacklevel=_user_stacklevel(),
+    )
+
+
+_SKIP_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` naming the first caller outside graphscale and torch
+    (the user's ``loss.backward()``, ``engine.backward(...)`` or
+    ``torch.autograd.backward(...)`` line), for a warning raised here."""
+    frame = sys._getframe(1)
+    level = 2  # warnings.warn's caller is level 1; this function's caller is that frame
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level - 1
 
 
 # ---------------------------------------------------------------- native or Python

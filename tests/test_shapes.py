@@ -19,7 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward, _planning, _state
+from graphscale import _backward, _call, _planning, _state
 from conftest import grad_mismatches
 from _functions import BackwardThrough, Cube, Recompute
 
@@ -427,7 +427,8 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
         return wrapped
 
     monkeypatch.setattr(_planning, "plan_backward", spy("plan_backward", _planning.plan_backward))
-    for name in ("_scaled_seeds", "_post_hook", "_run_plan"):
+    monkeypatch.setattr(_call, "scaled_seeds", spy("scaled_seeds", _call.scaled_seeds))
+    for name in ("_post_hook", "_run_plan"):
         monkeypatch.setattr(_backward, name, spy(name, getattr(_backward, name)))
 
     def program(w: World) -> None:
@@ -501,8 +502,8 @@ def test_walk_visits_each_node_once_and_multiplies_once_per_group_boundary(
         assert state is not None
         factors = {g: g.factor() for g in state.groups}
         one_factor = len(set(factors.values())) == 1  # the probe proves no unowned leaf is reached: fast path
-        assert _backward.decide([loss], state, factors, ())[0] == (_backward.FAST_PATH if one_factor
-                                                                 else _backward.PLANNED)
+        assert _planning.decide([loss], state, factors, ())[0] == (_planning.FAST_PATH if one_factor
+                                                                 else _planning.PLANNED)
         plan = _planning.build_plan([loss], _planning.PlanRequest(state, factors))
     assert len(plan.graph) == _reachable(loss.grad_fn)
     assert plan.multiplications == multiplications
@@ -512,14 +513,14 @@ def test_group_and_its_submodule_take_the_fast_path(monkeypatch: pytest.MonkeyPa
     """``g(x) + g.sub(y)`` with one group: no walk, one multiplication (the seed)."""
     walked: list[Any] = []
     seed_mults: list[float] = []
-    real_seeds = _backward._scaled_seeds
+    real_seeds = _call.scaled_seeds
     monkeypatch.setattr(_backward, "_run_plan", lambda *a, **k: walked.append(a))
 
     def seeds(roots: Any, grads: Any, mults: Any) -> Any:
         seed_mults.extend(m for m in mults if m != 1.0)
         return real_seeds(roots, grads, mults)
 
-    monkeypatch.setattr(_backward, "_scaled_seeds", seeds)
+    monkeypatch.setattr(_call, "scaled_seeds", seeds)
     world = World((4,))
     with graphscale.install(*world.groups()):
         group_and_its_submodule(world, world.x.detach(), world.y.detach()).backward()
