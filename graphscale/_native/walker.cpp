@@ -855,7 +855,12 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
   seed_roots(root_nodes, &index, &found);
   bool ins, owned = false, unowned = false, hidden = false;
   int result = -1;
+  constexpr size_t kAhead = 8;  // as in discover(): a fresh graph's walk waits on memory
   for (size_t i = 0; i < found.size() && result < 0; ++i) {
+    if (i + kAhead < found.size()) {
+      const auto& ahead = found[i + kAhead]->next_edges();
+      if (!ahead.empty()) __builtin_prefetch(ahead.data());
+    }
     Node* node = found[i];
     const auto& next = node->next_edges();
     if (next.empty() && is_accumulate_grad(node)) {
@@ -874,7 +879,11 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
       Node* nxt = e.function.get();
       if (nxt == nullptr) continue;
       index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
-      if (ins) found.push_back(nxt);
+      if (ins) {
+        found.push_back(nxt);
+        __builtin_prefetch(nxt);
+        __builtin_prefetch(reinterpret_cast<const char*>(nxt) + 64);
+      }
     }
   }
   last = found.size();
