@@ -85,9 +85,9 @@ def _nodes(root: torch.Tensor) -> int:
     return len(seen)
 
 
-def _no_probe(roots: Any, state: Any) -> int:
-    """What the one-factor path did before issue 13: no check (FAST)."""
-    return _planning.FAST
+def _no_probe(roots: Any, state: Any) -> tuple[int, bool]:
+    """What the one-factor path did before issue 13: no check (FAST, no custom Function seen)."""
+    return _planning.FAST, False
 
 
 SIDES = ("plain", "installed", "unchecked")
@@ -108,7 +108,7 @@ def measure(make: Callable[[], Any], rounds: int, policy: str) -> dict[str, Any]
         loss = loss_of(model)
         nodes = _nodes(loss)
         verdict = {_planning.NO_OWNED: "untouched", _planning.FAST: "fast path", _planning.PLAN: "planned"}[
-            probe([loss], state)]
+            probe([loss], state)[0]]
         for side in SIDES:  # warm every path
             _planning.probe = _no_probe if side == "unchecked" else probe
             (plain_backward if side == "plain" else torch.autograd.backward)(loss_of(model))
