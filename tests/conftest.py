@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-import socket
 from typing import Any, Callable
 
 import pytest
@@ -14,10 +13,7 @@ import torch
 import graphscale
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _ranks import free_port as _free_port  # noqa: E402  (tests/ is on sys.path for conftest)
 
 
 try:  # deepspeed is an optional extra: its tests skip without it

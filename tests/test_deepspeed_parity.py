@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 from typing import Any, Callable
 
@@ -28,10 +27,11 @@ import torch
 import graphscale
 
 try:
-    from conftest import _free_port, ds_config, require_deepspeed
+    from conftest import ds_config, require_deepspeed
 except ImportError:  # run as a worker script: tests/ is not on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import _free_port, ds_config, require_deepspeed
+    from conftest import ds_config, require_deepspeed
+from _ranks import result_of, run_ranks
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -156,37 +156,14 @@ def _worker(stage: int) -> None:
 def test_two_rank_training_matches_rank_averaged_per_model_gas_reference(stage: int) -> None:
     if not hasattr(os, "fork") and sys.platform == "win32":  # pragma: no cover
         pytest.skip("two-rank test spawns processes with gloo on loopback")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    procs = []
-    try:
-        for rank in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), str(stage)],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo))
-    except OSError as exc:
-        for p in procs:
-            p.kill()
-        pytest.skip(f"cannot spawn a second rank: {exc}")
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank did not finish within 300 s (gloo rendezvous on loopback?)")
-        outputs.append(out)
+    runs = run_ranks([os.path.abspath(__file__), str(stage)], env={"DS_ACCELERATOR": "cpu"})
     bad = []
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode != 0 or not lines:
-            bad.append(f"rank {rank} exited {p.returncode}:\n{out[-3000:]}")
+    for rank, (code, out) in enumerate(runs):
+        result = result_of(code, out)
+        if result is None:
+            bad.append(f"rank {rank} exited {code}:\n{out[-3000:]}")
             continue
-        for variant, worst in json.loads(lines[-1][len("RESULT "):]).items():
+        for variant, worst in result.items():
             if max(worst) > RTOL:
                 bad.append(f"rank {rank} {variant}: relative weight error per micro-step {worst}")
     assert not bad, "\n".join(bad)

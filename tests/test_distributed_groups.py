@@ -53,8 +53,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,15 +60,9 @@ import pytest
 import torch
 
 import graphscale
+from _ranks import rank_results, run_ranks
 
 
-def _free_port() -> int:
-    # not conftest's: a worker imports this file, and conftest would import deepspeed
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 pytestmark = pytest.mark.multirank
 
@@ -239,36 +231,7 @@ def two_rank_results() -> list[dict[str, Any]]:
     seconds; the cases take well under a second each)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    procs = []
-    try:
-        for rank in range(WORLD):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__)],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo))
-    except OSError as exc:
-        for p in procs:
-            p.kill()
-        pytest.skip(f"cannot spawn a second rank: {exc}")
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank did not finish within 300 s (gloo rendezvous on loopback?)")
-        outputs.append(out)
-    results = []
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode != 0 or not lines:
-            pytest.fail(f"rank {rank} exited {p.returncode}:\n{out[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    return results
+    return rank_results(run_ranks([os.path.abspath(__file__)], world=WORLD))
 
 
 def _case(results: list[dict[str, Any]], key: str) -> tuple[float, str]:

@@ -32,10 +32,7 @@ got x 1/4 (measured: every "graphscale" reference case fails with error
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import _backward
-from conftest import HAVE_DEEPSPEED, _free_port, full_grads, grad_mismatches, max_rel_err, require_deepspeed
+from conftest import HAVE_DEEPSPEED, full_grads, grad_mismatches, max_rel_err, require_deepspeed
+from _ranks import free_port, rank_results, run_ranks
 import _untouched
 
 POLICIES = ("plain_params", "plain", "any")
@@ -148,7 +146,7 @@ def one_rank(request: pytest.FixtureRequest) -> None:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                              world_size=1)
     return None
 
@@ -510,36 +508,8 @@ def reference_pattern_results() -> list[dict[str, Any]]:
         pytest.skip("deepspeed is not installed")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_untouched.py")
-    procs = []
-    try:
-        for rank in range(2):
-            procs.append(subprocess.Popen([sys.executable, worker], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo))
-    except OSError as exc:
-        for p in procs:
-            p.kill()
-        pytest.skip(f"cannot spawn a second rank: {exc}")
-    outputs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank did not finish within 300 s (gloo rendezvous on loopback?)")
-        outputs.append(out)
-    results = []
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode != 0 or not lines:
-            pytest.fail(f"rank {rank} exited {p.returncode}:\n{out[-3000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    return results
+    return rank_results(run_ranks([worker], env={"DS_ACCELERATOR": "cpu"}))
 
 
 # float32; gloo sums the two ranks' gradients in another order than the

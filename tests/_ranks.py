@@ -1,0 +1,78 @@
+"""Two (or more) gloo ranks on loopback for a test: spawn a worker script once
+per rank and read what each printed.
+
+A worker prints one line ``RESULT <json>`` at the end; :func:`rank_results`
+returns those, and fails the test naming the rank that printed none.  This
+module imports neither deepspeed nor graphscale, so a worker may import it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT or a tcp:// init_method)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(args: Sequence[str], world: int = 2, env: Mapping[str, str] | None = None) -> list[tuple[int, str]]:
+    """Run ``python <args>`` once per rank from the repository root, with
+    RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set for gloo on
+    loopback, one OpenMP thread each and the repository on PYTHONPATH (plus
+    ``env``); (exit status, stdout and stderr) per rank.  Skips the test when a
+    process cannot be spawned; fails it when a rank runs past 300 s."""
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+                **(env or {}))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(world):
+            procs.append(subprocess.Popen([sys.executable, *args], env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO))
+    except OSError as exc:
+        for p in procs:
+            p.kill()
+        pytest.skip(f"cannot spawn a second rank: {exc}")
+    runs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank did not finish within {TIMEOUT_S} s (gloo rendezvous on loopback?)")
+        runs.append((p.returncode, out))
+    return runs
+
+
+def result_of(returncode: int, out: str) -> Any | None:
+    """The JSON of a rank's last ``RESULT`` line, or None when it failed or printed none."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if returncode != 0 or not lines:
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def rank_results(runs: Sequence[tuple[int, str]]) -> list[Any]:
+    """Every rank's result (:func:`result_of`); fails the test with the output
+    of the first rank that has none."""
+    results = []
+    for rank, (code, out) in enumerate(runs):
+        result = result_of(code, out)
+        if result is None:
+            pytest.fail(f"rank {rank} exited {code}:\n{out[-3000:]}")
+        results.append(result)
+    return results
