@@ -164,6 +164,10 @@ def main() -> None:
                     results[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 finally:
                     torch.nn.functional.linear = linear  # ZeRO-3 replaces it process-wide
+    # Stop gloo's threads before the interpreter exits: left running, one can
+    # abort the process at exit ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     print("RESULT " + json.dumps(results), flush=True)
 
 

@@ -148,6 +148,10 @@ def _worker(stage: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = {v: train_and_compare(stage, v, rank, world) for v in VARIANTS}
+    # Stop gloo's threads before the interpreter exits: left running, one can
+    # abort the process at exit ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
 
 
