@@ -294,8 +294,9 @@ def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, walked: floa
     ``walked``: the seconds it took to walk and plan."""
     assert call.roots is not None and call.grads is not None
     recorder = _state.walk_recorder
-    mults = [s * plan.base / c for s, c in zip(plan.seeds, carries)]
-    edge_mults = plan.multiplications - sum(1 for s in plan.seeds if s != 1.0)
+    plan_seeds, base = plan.seeds, plan.base  # each read of a native plan's field converts it: once
+    mults = [s * base / c for s, c in zip(plan_seeds, carries)]
+    edge_mults = plan.multiplications - sum(1 for s in plan_seeds if s != 1.0)
     multiplications = edge_mults + sum(1 for m in mults if m != 1.0)
     if recorder is not None:
         recorder(plan.num_nodes, walked, multiplications)

@@ -88,6 +88,18 @@ def ds_dist() -> None:
         deepspeed.init_distributed(dist_backend="nccl" if ds_device() == "cuda" else "gloo")
 
 
+class TanhMLP(torch.nn.Module):
+    """l2(tanh(l1 x)), 4 -> 4 -> 4: the small model of the engine tests that need no variant of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(4, 4)
+        self.l2 = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
 def ds_config(gas: int, stage: int, bf16: bool = False, offload: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if offload:

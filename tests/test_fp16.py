@@ -57,7 +57,7 @@ import pytest
 import torch
 
 import graphscale
-from conftest import ds_config, ds_device, max_rel_err, require_deepspeed
+from conftest import TanhMLP as Net, ds_config, ds_device, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -106,16 +106,6 @@ def fp16_here(request: pytest.FixtureRequest, ds_dist: None, monkeypatch: pytest
 
 
 # ------------------------------------------------------------------ engines, graphs, oracle
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.tanh(self.l1(x)))
-
-
 def fp16_config(name: str, stage: int) -> dict[str, Any]:
     cfg = ds_config(GAS[name], stage)
     cfg["gradient_clipping"] = 0.0  # DeepSpeed clips to norm 1 unless told: the reference does not clip

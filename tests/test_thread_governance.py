@@ -45,7 +45,7 @@ import torch.utils.checkpoint
 
 import graphscale
 from graphscale import _deepspeed, _state
-from conftest import full_grads, max_rel_err, require_deepspeed
+from conftest import TanhMLP as Net, full_grads, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -56,16 +56,6 @@ WAIT_S = 120
 
 
 # ------------------------------------------------------------------ models and graphs
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.tanh(self.l1(x)))
-
-
 @dataclass
 class View:
     """What a graph is built from: the engines, or the plain copies."""
