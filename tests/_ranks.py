@@ -7,11 +7,14 @@ module imports neither deepspeed nor graphscale, so a worker may import it too.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,24 +40,34 @@ def run_ranks(args: Sequence[str], world: int = 2, env: Mapping[str, str] | None
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                 OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                 **(env or {}))
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for rank in range(world):
-            procs.append(subprocess.Popen([sys.executable, *args], env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO))
-    except OSError as exc:
-        for p in procs:
-            p.kill()
-        pytest.skip(f"cannot spawn a second rank: {exc}")
-    runs = []
-    for p in procs:
+    procs: list[subprocess.Popen[bytes]] = []
+    # Each rank writes to a file, not a pipe: a pipe read one rank after the
+    # other fills up for the rank not being read (64 KiB of DeepSpeed's
+    # warnings), which then blocks in write() while the other waits for it in
+    # a collective.
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
         try:
-            out, _ = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a rank did not finish within {TIMEOUT_S} s (gloo rendezvous on loopback?)")
-        runs.append((p.returncode, out))
+            for rank in range(world):
+                procs.append(subprocess.Popen([sys.executable, *args],
+                                              env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                              stdout=logs[rank], stderr=subprocess.STDOUT, cwd=REPO))
+        except OSError as exc:
+            for p in procs:
+                p.kill()
+            pytest.skip(f"cannot spawn a second rank: {exc}")
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"a rank did not finish within {TIMEOUT_S} s (gloo rendezvous on loopback?)")
+        runs = []
+        for p, log in zip(procs, logs):
+            log.seek(0)
+            runs.append((p.returncode, log.read().decode(errors="replace")))
     return runs
 
 
