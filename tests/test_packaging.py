@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
@@ -128,6 +129,41 @@ def _source_copy(dest: Path) -> Path:
     return dest
 
 
+def _venv_over_this_environment(venv: Path) -> Path:
+    """A new virtual environment whose interpreter also sees the packages of
+    the one running this test; its python.
+
+    Not ``venv --system-site-packages``: made from a virtual environment's
+    interpreter, that sees the *base* interpreter's packages (where a user's
+    venv has installed nothing), not the running environment's.  A ``.pth``
+    file listing this environment's site directories appends them after the
+    new venv's own, so what is installed into the venv wins, and the ``.pth``
+    files in those directories (an editable graphscale's) are not run."""
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    python = venv / "bin" / "python"
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    here = [p for p in dict.fromkeys([*site.getsitepackages(), site.getusersitepackages(), *sys.path])
+            if os.path.isdir(p) and os.path.basename(p) in ("site-packages", "dist-packages")]
+    Path(purelib, "_outer_environment.pth").write_text("".join(f"{p}\n" for p in here))
+    return python
+
+
+def test_fresh_venv_sees_this_environments_torch_but_not_its_graphscale(tmp_path: Path) -> None:
+    """The helper itself, from wherever pytest runs (a venv or a system
+    install): torch comes from this environment, graphscale from nowhere
+    until the wheel is installed."""
+    python = _venv_over_this_environment(tmp_path / "venv")
+    probe = ("import importlib.util, json, torch; "
+             "print(json.dumps([torch.__file__, importlib.util.find_spec('graphscale') is None]))")
+    torch_file, no_graphscale = json.loads(_run([str(python), "-c", probe], cwd=tmp_path,
+                                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                                                ).stdout.strip().splitlines()[-1])
+    import torch
+
+    assert Path(torch_file).resolve() == Path(torch.__file__).resolve()
+    assert no_graphscale
+
+
 def test_wheel_install_ships_native_walker_and_never_stalls_a_backward(tmp_path: Path) -> None:
     src = _source_copy(tmp_path / "src")
     dist = tmp_path / "dist"
@@ -146,12 +182,12 @@ def test_wheel_install_ships_native_walker_and_never_stalls_a_backward(tmp_path:
         in_wheel = set(zf.namelist())
     assert set(NATIVE_FILES) <= in_wheel, sorted(in_wheel)
 
-    # A fresh environment over the system's torch.  The system may hold an
-    # editable graphscale (CI and development do): the venv's own install
-    # must win, which the scripts check through graphscale.__file__.
+    # A fresh environment that sees this one's torch (a virtual environment
+    # or a system install).  This one may hold an editable graphscale (CI and
+    # development do): the venv's own install must win, which the scripts
+    # check through graphscale.__file__.
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
-    python = venv / "bin" / "python"
+    python = _venv_over_this_environment(venv)
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
           "--ignore-installed", str(wheel)], cwd=tmp_path)
 
