@@ -10,8 +10,9 @@
 # keeps on parameters (ZeRO reduction) fires.  DeepSpeed's output hooks do
 # fire: their per-tensor GAS division is switched off for installed engines
 # (NOTE [ DeepSpeed's two generations ]), and their once-per-backward prologue
-# (timers, ZeRO bookkeeping, the queued epilogue) is held back for the
-# reference by marking the pending hook managers done for its duration.  Then
+# (timers, ZeRO bookkeeping, the queued epilogue) does not run: the
+# reference's graph task is bound as a reference pass (NOTE [ Once per
+# backward ] in _state.py).  Then
 # the real backward runs, and each leaf's .grad change is compared with
 # factor x g, factor = 1 / gas() read independently of the planner, so a wrong
 # plan, a wrong seed or a wrong factor all show.  The leaves are found by the
@@ -23,7 +24,6 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -151,7 +151,7 @@ class Audit:
         if not leaves:
             return run(*args)
         try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot ... ])
-            with _prologues_held(), _state.bound(roots, _state.Binding(state)) as bound_roots:
+            with _state.bound(roots, _state.Binding(state, reference=True)) as bound_roots:
                 ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=grads, retain_graph=True,
                                           allow_unused=True)
         except RuntimeError as exc:
@@ -270,9 +270,8 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
         An :class:`Audit` handle; ``print(handle)`` is the per-group
         gradient-norm report.
 
-    Costs about one extra backward per backward, a copy of the reached
-    leaves' ``.grad``, and, while deepspeed is imported, a scan of live
-    objects per backward (NOTE [ Audit reference ]).  Nested backwards
+    Costs about one extra backward per backward and a copy of the reached
+    leaves' ``.grad`` (NOTE [ Audit reference ]).  Nested backwards
     (reentrant checkpointing) are checked as part of the outer one, which
     needs ``torch.autograd.grad`` to work on the graph.  The audit is process
     wide; run one at a time.
@@ -366,12 +365,3 @@ def _check_supported(state: State) -> None:
                 "then switch back. No gradient was touched."
             )
 
-
-def _prologues_held() -> Any:
-    """DeepSpeed's once-per-backward prologue held back for the reference pass
-    (NOTE [ Audit reference ]); nothing to hold without deepspeed."""
-    if "deepspeed" not in sys.modules:
-        return nullcontext()
-    from ._deepspeed import prologues_held
-
-    return prologues_held()

@@ -30,7 +30,32 @@
 #     DeepSpeed's with scale_wrt_gas=False inside _state.engine_backward(...),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
 # Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
-# reduction hooks, timers) runs untouched.
+# reduction hooks, timers) runs untouched, once per backward (NOTE [ One
+# lifecycle per backward ]).
+#
+# NOTE [ One lifecycle per backward ]
+# Each engine.forward registers its own output-hook manager, and each manager
+# runs the engine's backward prologue (timers, ZeRO's enter_backward, the
+# queued post-backward epilogue) the first time one of its hooks fires
+# (its preprocess_done flag, reset by the next forward).  So one backward over
+# two forwards of one engine ran the prologue twice: ZeRO's backward depth
+# ended at 2, and since PR 8245's lifecycle work the direct-backward epilogue
+# refuses to run at a depth above 1 (it takes it for an interrupted
+# engine.backward): the gradients were never reduced and step() raised
+# (KeyError in averaged_gradients).  And a second backward over a retained
+# graph ran no prologue at all.  Under graphscale each manager's
+# preprocess_done reads, inside a backward that governs its engine, whether
+# that engine's prologue ran in this backward (NOTE [ Once per backward ] in
+# _state.py: the backwards nested in it count as the same one), so the
+# engine's prologue runs once, before any of its output gradients, and its
+# epilogue once at the end: the queued callback of a direct backward (at
+# depth 1 now), or engine.backward's own.  Outside governed backwards the
+# flag is the manager's own, as DeepSpeed keeps it.  A governed backward that
+# raised after an engine's prologue left that prologue's depth behind; the
+# engine's next governed prologue takes it back first (the epilogue that
+# would have is what the adapter watches), so the next backward reduces, as
+# it does after an interrupted engine.backward.  A reference pass (audit)
+# runs no prologue at all.
 #
 # NOTE [ fp16 engines ]
 # An fp16 engine's optimizer expects its gradients multiplied by its own
@@ -52,22 +77,18 @@
 """
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 from typing import Any, Callable
 
 import torch
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from ._errors import GraphscaleError
 from ._group import UNSET, Group
-from ._state import CARRIES_ATTR, backward_state, engine_backward, laps
+from ._state import CARRIES_ATTR, backward_state, engine_backward, governing_binding, laps
 
 __all__ = [
-    "is_engine", "attach", "EngineGroup", "loss_scale", "scale_reader", "zero_stage", "prologues_held",
+    "is_engine", "attach", "EngineGroup", "loss_scale", "scale_reader", "zero_stage",
     "is_output_hooked",
 ]
 
@@ -92,20 +113,6 @@ def _is_pipeline(engine: Any) -> bool:
     return pipe is not None and isinstance(engine, pipe.PipelineEngine)
 
 
-def _hook_managers() -> list[Any]:
-    """Every live DeepSpeed ``OutputBackwardHookManager`` (made by engine.forward).
-
-    An instance of a Python class refers to its class, so the collector's
-    referrers of the class are its instances: one pass in C over the heap,
-    several times cheaper than iterating ``gc.get_objects()`` in Python.
-    """
-    utils = sys.modules.get("deepspeed.runtime.utils")
-    cls = getattr(utils, "OutputBackwardHookManager", None)
-    if cls is None:
-        return []
-    return [obj for obj in gc.get_referrers(cls) if type(obj) is cls]
-
-
 def _one() -> float:
     return 1.0
 
@@ -115,10 +122,8 @@ def scale_reader(engine: Any) -> Callable[[], float]:
     multiplies the loss by (its optimizer's ``scale_if_loss``, or the ZeRO-0
     autocast grad scaler): the fp16 loss scale, 1 for bf16 and fp32.  Which
     attribute holds it is decided once, here; its value is read per call."""
-    opt = getattr(engine, "optimizer", None)
-    base = sys.modules.get("deepspeed.runtime.base_optimizer")
-    zero_type = getattr(base, "ZeROOptimizer", None)
-    if zero_type is not None and isinstance(opt, zero_type):
+    opt: Any = getattr(engine, "optimizer", None)
+    if _is_zero_optimizer(opt):
         if getattr(opt, "custom_loss_scaler", False):
             return lambda: float(opt.external_loss_scale)
         scaler = getattr(opt, "torch_autocast_gradscaler", None)
@@ -185,22 +190,6 @@ def zero_stage(group: Group) -> int:
     return int(engine.zero_optimization_stage()) if engine is not None else 0
 
 
-@contextmanager
-def prologues_held() -> Iterator[None]:
-    """Hold back DeepSpeed's once-per-backward output-hook prologue (timers,
-    ZeRO bookkeeping, the queued epilogue) for a backward that is not the real
-    one (graphscale.audit's reference pass): the pending hook managers are
-    marked done for the duration of the block."""
-    pending = [m for m in _hook_managers() if getattr(m, "preprocess_done", True) is False]
-    for m in pending:
-        m.preprocess_done = True
-    try:
-        yield
-    finally:
-        for m in pending:
-            m.preprocess_done = False
-
-
 # ---------------------------------------------------------------- the output-hook redirect
 _FN = "preprocess_per_tensor_fn"
 _PROLOGUE = "_backward_prologue_per_tensor"
@@ -231,6 +220,14 @@ def is_output_hooked(tensor: torch.Tensor) -> bool:
                                      for h in hooks.values())
 
 
+def _engine_of(manager: Any) -> Any:
+    """The engine whose forward made hook ``manager`` (its per-tensor function
+    is the engine's bound ``_backward_prologue_per_tensor``), or None."""
+    fn = manager.__dict__.get(_FN)
+    engine = getattr(fn, "__self__", None)
+    return engine if getattr(fn, "__name__", None) == _PROLOGUE and isinstance(engine, _engine_type()) else None
+
+
 class _PerTensorRedirect:
     """The data descriptor of NOTE [ DeepSpeed's two generations ] on
     OutputBackwardHookManager: an engine's per-tensor function reads as
@@ -240,21 +237,52 @@ class _PerTensorRedirect:
         if manager is None:
             return self
         fn = manager.__dict__.get(_FN)
-        if getattr(fn, "__name__", None) == _PROLOGUE and isinstance(getattr(fn, "__self__", None), _engine_type()):
-            return _Governed(fn)
-        return fn
+        return fn if _engine_of(manager) is None else _Governed(fn)
 
     def __set__(self, manager: Any, value: Any) -> None:
         manager.__dict__[_FN] = value
 
 
+_DONE = "preprocess_done"
+
+
+class _PrologueOncePerBackward:
+    """The data descriptor of NOTE [ One lifecycle per backward ] on
+    OutputBackwardHookManager's ``preprocess_done``: inside a backward that
+    governs the manager's engine, whether that engine's prologue ran in this
+    backward (always, in a reference pass); elsewhere the manager's own flag."""
+
+    def __get__(self, manager: Any, owner: type | None = None) -> Any:
+        if manager is None:
+            return self
+        engine = _engine_of(manager)
+        binding = None if engine is None else governing_binding(engine)
+        if binding is None:
+            return manager.__dict__.get(_DONE, False)
+        return binding.reference or id(engine) in binding.once
+
+    def __set__(self, manager: Any, value: Any) -> None:
+        manager.__dict__[_DONE] = value
+        engine = _engine_of(manager) if value else None
+        binding = None if engine is None else governing_binding(engine)
+        if binding is None or binding.reference or id(engine) in binding.once:
+            return
+        binding.once.add(id(engine))  # the manager runs the engine's prologue next
+        adapter = _attached.get(id(engine))
+        if adapter is not None:
+            adapter.prologue_starts()
+
+
 _REDIRECT = _PerTensorRedirect()
+_ONCE = _PrologueOncePerBackward()
+_DESCRIPTORS = {_FN: _REDIRECT, _DONE: _ONCE}
 
 
 def _redirect_on() -> None:
-    """Put the redirect on DeepSpeed's hook-manager class (idempotent).  It
-    stays: a backward running when the last engine is removed still needs it,
-    and for engines no backward governs it hands DeepSpeed's function through."""
+    """Put the redirect and the prologue's once-per-backward flag on
+    DeepSpeed's hook-manager class (idempotent).  They stay: a backward
+    running when the last engine is removed still needs them, and for engines
+    no backward governs they hand DeepSpeed's own values through."""
     utils = sys.modules.get("deepspeed.runtime.utils")
     cls = getattr(utils, "OutputBackwardHookManager", None)
     if cls is None:
@@ -263,14 +291,16 @@ def _redirect_on() -> None:
             "graphscale switches the engines' own GAS division off; graphscale knows DeepSpeed 0.19.x. "
             "No engine was installed."
         )
-    present = cls.__dict__.get(_FN)
-    if present is None:
-        setattr(cls, _FN, _REDIRECT)
-    elif present is not _REDIRECT:
-        raise GraphscaleError(
-            f"graphscale: DeepSpeed's {cls.__name__}.{_FN} is already defined on the class (by another tool, "
-            "or a DeepSpeed version graphscale does not know); graphscale cannot govern engines safely here."
-        )
+    for name, descriptor in _DESCRIPTORS.items():
+        present = cls.__dict__.get(name)
+        if present is not None and present is not descriptor:
+            raise GraphscaleError(
+                f"graphscale: DeepSpeed's {cls.__name__}.{name} is already defined on the class (by another tool, "
+                "or a DeepSpeed version graphscale does not know); graphscale cannot govern engines safely here. "
+                "No engine was installed."
+            )
+    for name, descriptor in _DESCRIPTORS.items():
+        setattr(cls, name, descriptor)
 
 
 class _EngineAdapter:
@@ -286,12 +316,18 @@ class _EngineAdapter:
         native_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
         read_scale = scale_reader(engine)
         sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
-        if any(n in engine.__dict__ for n in (_PROLOGUE, "backward", "scale")):
+        if any(n in engine.__dict__ for n in (_PROLOGUE, *_SHADOWED)):
             raise GraphscaleError(
-                "graphscale: this engine's backward, scale or _backward_prologue_per_tensor is already "
-                "replaced on the instance (by another tool?); graphscale cannot govern it safely."
+                "graphscale: this engine's backward, scale, _backward_epilogue or _backward_prologue_per_tensor "
+                "is already replaced on the instance (by another tool?); graphscale cannot govern it safely."
             )
+        native_epilogue = cls._backward_epilogue.__get__(engine, cls)
+        self.open = False  # a governed prologue of this engine ran and its epilogue has not yet
         adapter = self
+
+        def epilogue() -> None:
+            adapter.open = False
+            native_epilogue()
 
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
@@ -323,17 +359,37 @@ class _EngineAdapter:
         backward.__doc__ = native_backward.__doc__
         self.backward = backward
         self.scale = scale if native_scale is not None else None
+        self.epilogue = epilogue
+
+    def prologue_starts(self) -> None:
+        """A governed backward runs this engine's prologue now (NOTE [ One
+        lifecycle per backward ]): first take back the ZeRO backward depth of
+        a governed prologue whose backward raised before its epilogue."""
+        if self.open:
+            opt: Any = getattr(self.engine, "optimizer", None)
+            if _is_zero_optimizer(opt) and opt._backward_active_depth > 0:
+                opt.exit_backward()
+        self.open = True
 
     def enable(self) -> None:
         self.engine.backward = self.backward
+        self.engine._backward_epilogue = self.epilogue
         if self.scale is not None:
             self.engine.scale = self.scale
         self.active = True
 
     def disable(self) -> None:
         self.active = False
-        for name in ("backward", "scale"):
+        for name in _SHADOWED:
             self.engine.__dict__.pop(name, None)
+
+
+_SHADOWED = ("backward", "scale", "_backward_epilogue")  # what an adapter puts on its engine instance
+
+
+def _is_zero_optimizer(opt: Any) -> bool:
+    zero_type = getattr(sys.modules.get("deepspeed.runtime.base_optimizer"), "ZeROOptimizer", None)
+    return zero_type is not None and isinstance(opt, zero_type)
 
 
 def attach(group: EngineGroup) -> Callable[[], None]:

@@ -43,7 +43,8 @@ from ._group import Group
 __all__ = [
     "UNOWNED_POLICIES", "check_policy", "strictest", "State", "current", "set_current", "engine_backward",
     "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "Binding",
-    "bound", "task_binding", "task_state", "backward_state", "Running", "running_plan", "running", "find_enclosing",
+    "bound", "task_binding", "task_state", "governing_binding", "backward_state", "Running", "running_plan",
+    "running", "find_enclosing",
     "enclosing_phi", "observer", "walk_recorder", "phase_recorder", "Laps", "laps",
 ]
 
@@ -316,17 +317,36 @@ CARRIES_ATTR = "_graphscale_carries"
 # division applies there, as without graphscale.
 
 
+# NOTE [ Once per backward ]
+# An adapter may have work that must run once per backward for each engine
+# the backward reaches, however many of the engine's outputs it meets
+# (DeepSpeed's backward prologue: NOTE [ One lifecycle per backward ] in
+# _deepspeed.py).  A top-level governed backward and every backward nested in
+# it (reentrant checkpointing) are one backward for this: the binding of a
+# nested backward's graph task shares the set ``once`` of the binding of the
+# task it runs inside, so a key marked anywhere in it reads as marked
+# everywhere in it, on any thread.  A binding made for a reference pass
+# (graphscale.audit's plain gradient, ``reference=True``) is not the real
+# backward: adapters run none of their once-per-backward work inside it, and
+# so do the backwards nested in it.
+
+
 class Binding:
     """What a running backward's graph task is bound to: its snapshot, and
     (NOTE [ Fast path ]) where no plan of it exists, the factors it read and
     the potential everything in it carries, from which a nested backward is
-    planned."""
+    planned; ``once``/``reference``: NOTE [ Once per backward ].  Made on the
+    thread that calls the backward: a nested backward's binding joins the one
+    of the task running there."""
 
-    __slots__ = ("state", "factors", "potential")
+    __slots__ = ("state", "factors", "potential", "once", "reference")
 
     def __init__(self, state: State, factors: Mapping[Group, float] | None = None,
-                 potential: float | None = None) -> None:
+                 potential: float | None = None, reference: bool = False) -> None:
         self.state, self.factors, self.potential = state, factors, potential
+        enclosing = task_binding()
+        self.once: set[Any] = set() if enclosing is None else enclosing.once
+        self.reference: bool = reference or (enclosing is not None and enclosing.reference)
 
 
 _by_task: dict[int, Binding] = {}  # graph task id -> binding, while that backward runs
@@ -398,6 +418,16 @@ def task_state() -> State | None:
     """The snapshot bound to the graph task this thread is running a node of."""
     binding = task_binding()
     return None if binding is None else binding.state
+
+
+def governing_binding(engine: Any) -> Binding | None:
+    """The binding of the running graph task if it governs ``engine`` (a
+    reference pass governs every engine: NOTE [ Once per backward ]), else
+    None: an ungoverned backward, where the engine's own bookkeeping applies."""
+    binding = task_binding()
+    if binding is None or not (binding.reference or id(engine) in binding.state.engines):
+        return None
+    return binding
 
 
 def backward_state() -> State | None:

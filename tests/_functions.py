@@ -62,3 +62,15 @@ class BackwardThrough(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         torch.autograd.backward(ctx.keep, grad * 2, retain_graph=True)
         return None, None
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises ``RuntimeError("boom")`` (an aborted backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")

@@ -32,6 +32,7 @@ import torch
 
 import graphscale
 from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
+from _functions import Boom
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -231,8 +232,8 @@ def _around(how: tuple[str, bool]) -> Callable[[View], list[torch.Tensor]]:
     return graph
 
 
-# Each graph calls each engine once: DeepSpeed's ZeRO backward bookkeeping
-# (one prologue per forward, one epilogue per backward) is not ours to test.
+# Each graph calls each engine once; losses that forward an engine twice, and
+# training with step() on one and two ranks, are tests/test_training_parity.py's.
 GRAPHS: dict[str, Callable[[View], list[torch.Tensor]]] = {
     "one_engine": lambda v: [_sum(v.A(v.x).square())],
     "engine_plus_own_module": lambda v: [_sum((v.A(v.x) + v.Am(v.y)).square())],
@@ -545,22 +546,12 @@ def test_second_backward_over_a_retained_graph_is_exact(pools: Any, shape: Shape
     _assert_matches(got, want, shape)
 
 
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("boom")
-
-
 # Where the failing node sits.  Only above both engines: a node failing
 # between A and B in A(B(x)) leaves A's gradient of the failed backward in
 # A's leaves (plain PyTorch does the same), and ZeRO's reduction state after
 # a partial backward ("already reduced" at the next one) is DeepSpeed's.
 ABORTS: dict[str, Callable[[View], torch.Tensor]] = {
-    "at_root": lambda v: _Boom.apply(_sum(v.A(v.x) * v.B(v.y))),
+    "at_root": lambda v: Boom.apply(_sum(v.A(v.x) * v.B(v.y))),
 }
 
 
