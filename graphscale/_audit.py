@@ -118,8 +118,8 @@ class Audit:
         ]
         rows = [[name, f"{s.factor:g}", str(s.leaves), str(s.backwards), f"{math.sqrt(s.got_sq):.6g}",
                  f"{math.sqrt(s.want_sq):.6g}", f"{s.worst_rel:.3g}"] for name, s in self._stats.items()]
-        lines.append(format_table(
-            ["group", "factor", "leaves", "backwards", "grad norm (last)", "expected", "worst rel err"], rows, rule=False))
+        headers = ["group", "factor", "leaves", "backwards", "grad norm (last)", "expected", "worst rel err"]
+        lines.append(format_table(headers, rows, rule=False))
         lines += [f"  {m}" for m in self.mismatches]
         return "\n".join(lines)
 

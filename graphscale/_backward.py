@@ -55,7 +55,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.autograd.graph import GradientEdge
 
 from . import _call, _planning, _state
 from ._group import Group
@@ -92,7 +91,8 @@ class BackwardCall(NamedTuple):
     @classmethod
     def of(cls, tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
            grad_variables: Any, inputs: Any) -> BackwardCall:
-        tensors, grad_tensors, inputs = _call.materialize(tensors), _call.materialize(grad_tensors), _call.materialize(inputs)
+        tensors, grad_tensors = _call.materialize(tensors), _call.materialize(grad_tensors)
+        inputs = _call.materialize(inputs)
         norm = None if grad_variables is not None else _call.normalize(tensors, grad_tensors)
         in_tuple = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,

@@ -136,8 +136,9 @@ def _rel_err(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float
 
 
 def _run_shape(deepspeed: Any, shape: Shape, governed: bool) -> tuple[float, str]:
-    import graphscale
     from deepspeed.utils import safe_get_full_grad
+
+    import graphscale
 
     torch.manual_seed(0)
     x, y = torch.randn(2, 4), torch.randn(2, 4)

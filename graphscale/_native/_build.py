@@ -252,7 +252,8 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
                 raise BuildError(f"{type(exc).__name__}: {summarize(str(exc))}", log) from exc
             seconds = time.perf_counter() - t0
             if module.__name__ != MODULE_NAME:  # pragma: no cover - see the docstring
-                raise BuildError(f"torch built {module.__name__!r}, not {MODULE_NAME!r}: build in a fresh process", None)
+                raise BuildError(f"torch built {module.__name__!r}, not {MODULE_NAME!r}: build in a fresh process",
+                                 None)
             partial = f"{target}.{os.getpid()}.tmp"
             shutil.copyfile(module.__file__, partial)
             os.replace(partial, target)
@@ -271,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(
         prog="python -m graphscale build",
-        description="Build the native walker into graphscale's cache (or find it built there); print where and how long.",
+        description=("Build the native walker into graphscale's cache (or find it built there); "
+                     "print where and how long."),
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if a build is cached")
     parser.add_argument("--quiet", action="store_true", help="print nothing unless the build fails")
