@@ -83,6 +83,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._deepspeed_checks import check_engine
 from ._errors import GraphscaleError
 from ._group import UNSET, Group
 from ._state import CARRIES_ATTR, backward_state, engine_backward, governing_binding, laps
@@ -398,6 +399,7 @@ def attach(group: EngineGroup) -> Callable[[], None]:
     with _lock:
         adapter = _attached.get(id(engine))
         if adapter is None:
+            check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]: before anything is touched
             _redirect_on()
             adapter = _EngineAdapter(engine)
             _attached[id(engine)] = adapter
