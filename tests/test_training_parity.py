@@ -55,7 +55,12 @@ LR = 0.1
 # bf16: forwards, gradients and (ZeRO 3) their reduction in bf16, against a
 # float32 reference: measured up to 0.069 on two ranks; a wrong factor or a
 # missing reduction here is an error above 0.5.
-TOL = {"fp32": 1e-5, "bf16": 0.1}
+# fp16 (CPU, DeepSpeed's capability flag forced as in tests/test_fp16.py): each
+# engine's own dynamic loss scale (A 2**8, B 2**4) rides on its gradients and
+# its optimizer unscales; the reduced gradient is compared times that scale.
+TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 2e-2}
+SCALE_POWER = {"A": 8, "B": 4, "C": 6}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WORLD = 2
 
 
@@ -171,6 +176,7 @@ CASES = [
     *_cases(["one_engine_twice"], ("loss",)),
     *_cases(["engine_twice", "nested_engine_twice"], variant="bf16"),
 ]
+FP16_CASES = _cases(["engine_twice", "nested_engine_twice"], variant="fp16")
 TWO_RANK_CASES = [
     *_cases(TWO_ENGINE_SHAPES),
     *_cases(CHECKPOINTED_TWICE, stages=(1,)),
@@ -254,6 +260,13 @@ def _view(models: dict[str, Any], am: Any, x: torch.Tensor, y: torch.Tensor, dty
     return View(models, am, x.to(dtype), y.to(dtype))
 
 
+def _loss_scale(engine: Any) -> float:
+    """The fp16 loss scale the engine's optimizer expects its gradients to carry (1 in fp32 and bf16)."""
+    opt = engine.optimizer
+    scaler = getattr(opt, "loss_scaler", None)
+    return float(scaler.cur_scale) if engine.fp16_enabled() and scaler is not None else 1.0
+
+
 def _plain_grads(shape: Shape, refs: dict[str, Net], step: int, world: int) -> dict[str, list[torch.Tensor]]:
     """Each reference model's gradient, averaged over the ranks' data (no GAS factor)."""
     out = {n: [torch.zeros_like(p) for p in r.parameters()] for n, r in refs.items()}
@@ -286,7 +299,7 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
     import deepspeed
 
     shape = SHAPES[case.shape]
-    dtype = torch.bfloat16 if case.variant == "bf16" else torch.float32
+    dtype = DTYPES[case.variant]
     refs = {n: Net(10 + k, reentrant=n in shape.reentrant) for k, n in enumerate(shape.engines)}
     start = {n: [p.detach().clone() for p in r.parameters()] for n, r in refs.items()}
     engines: dict[str, Any] = {}
@@ -295,6 +308,8 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
         cfg = ds_config(GAS[n], case.stage, bf16=case.variant == "bf16")
         cfg["train_micro_batch_size_per_gpu"] = 3
         cfg["gradient_clipping"] = 0.0  # ZeRO clips to norm 1 unless told: the reference does not clip
+        if case.variant == "fp16":  # hysteresis 1: an overflow halves the scale at once
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": SCALE_POWER[n], "hysteresis": 1}
         engines[n], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), config=cfg)
     opts = {n: torch.optim.SGD(r.parameters(), lr=LR) for n, r in refs.items()}
     acc = {n: [torch.zeros_like(p) for p in r.parameters()] for n, r in refs.items()}
@@ -327,7 +342,8 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
         x, y = _data(rank, MICRO_STEPS)
         _backward(case.call, shape.loss(_view(engines, engines["A"].module, x, y, dtype)), engines)
         plain = _plain_grads(shape, refs, MICRO_STEPS, world)
-        out["grad_err"] = max(_rel(_full_grads(engines[n]), [g / GAS[n] for g in plain[n]]) for n in refs)
+        out["grad_err"] = max(_rel(_full_grads(engines[n]), [g * _loss_scale(engines[n]) / GAS[n] for g in plain[n]])
+                              for n in refs)
     except Exception as exc:  # DeepSpeed's own failure in step(): the outcome, recorded
         out.update(status="raises", error=f"{type(exc).__name__}: {exc}"[:300])
         return out
@@ -364,6 +380,23 @@ def _explain(case: Case, result: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ one rank
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_one_rank_training_under_graphscale_matches_the_per_engine_gas_reference(ds_dist: None, case: Case) -> None:
+    result = run_case(case, rank=0, world=1, govern=True)
+    assert result["status"] == "exact", _explain(case, result)
+
+
+@pytest.fixture
+def cpu_fp16(ds_dist: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 engines on DeepSpeed's CPU accelerator: its capability flag forced
+    (tests/test_fp16.py explains why that is a real fp16 engine)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        pytest.skip("the forced flag is for DeepSpeed's CPU accelerator (tests/test_fp16.py has the cuda variants)")
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+
+
+@pytest.mark.parametrize("case", FP16_CASES, ids=lambda c: c.id)
+def test_one_rank_fp16_training_under_graphscale_matches_the_reference(cpu_fp16: None, case: Case) -> None:
     result = run_case(case, rank=0, world=1, govern=True)
     assert result["status"] == "exact", _explain(case, result)
 
