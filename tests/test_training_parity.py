@@ -212,12 +212,13 @@ def deepspeed_alone(case: Case, gen: str, world: int) -> str:
       nested graph task, each queueing an epilogue: on the hooks generation
       the second epilogue fails (IndexError in ZeRO's partition epilogue);
     * on the hooks generation, two ranks, ZeRO 3, a reentrant checkpoint inside
-      each engine under loss.backward() trains wrong (measured: weight-change
-      error 0.067, reduced gradient 0.27; exact on one rank; not traced
-      further: graphscale is exact there).
+      each engine under loss.backward() trains wrong in some runs and exactly
+      in others (measured: weight-change error 0.067, reduced gradient 0.27,
+      and 0.0 in another run; exact on one rank; not traced further:
+      graphscale is exact there in every run): "exact or wrong".
     """
     if (gen, case.shape, case.call, case.stage, world) == ("hooks", "checkpointed", "loss", 3, 2):
-        return "wrong"
+        return "exact or wrong"
     twice = case.shape in ("engine_twice", "nested_engine_twice", "three_engines", "one_engine_twice",
                            *CHECKPOINTED_TWICE)
     if case.call == "loss" and (gen == "tracker" and twice or case.shape == "checkpoint_around_engine_twice"):
@@ -483,7 +484,8 @@ def test_two_rank_training_with_deepspeed_alone_is_as_documented(
         two_rank_results: list[dict[str, Any]], case: Case) -> None:
     want = deepspeed_alone(case, two_rank_results[0]["generation"], world=WORLD)
     bad = [f"rank {r}: want {want}; " + _explain(case, res[f"deepspeed_alone/{case.id}"])
-           for r, res in enumerate(two_rank_results) if res[f"deepspeed_alone/{case.id}"]["status"] != want]
+           for r, res in enumerate(two_rank_results)
+           if res[f"deepspeed_alone/{case.id}"]["status"] not in want.split(" or ")]
     assert not bad, "\n".join(bad)
 
 
