@@ -461,6 +461,10 @@ def _worker() -> None:
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
+    # Even so, CI saw a rank abort at interpreter exit after printing its
+    # RESULT (DeepSpeed 0.19.5): leave without the interpreter's teardown.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
