@@ -91,15 +91,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @contextlib.contextmanager
 def recorders(walk: Callable[[int, float, int], None] | None,
               phase: Callable[[str, float], None] | None = None) -> Iterator[None]:
-    """Set graphscale's walk recorder and phase recorder (graphscale/_state.py)
-    for the duration; always unset them."""
-    from graphscale import _state
+    """graphscale's walk recorder and phase recorder (graphscale.observe) for the duration."""
+    from graphscale import observe
 
-    _state.walk_recorder, _state.phase_recorder = walk, phase
-    try:
+    with contextlib.ExitStack() as stack:
+        if walk is not None:
+            stack.enter_context(observe.walks(walk))
+        if phase is not None:
+            stack.enter_context(observe.phases(phase))
         yield
-    finally:
-        _state.walk_recorder = _state.phase_recorder = None
 
 
 # ----------------------------------------------------------------------------- models

@@ -33,6 +33,7 @@ from . import _state
 from ._call import normalize
 from ._errors import AuditError, GraphscaleError
 from ._group import Group, spec_reads
+from ._observe import observing
 from ._planning import root_node
 from ._render import format_table
 from ._state import State
@@ -96,20 +97,20 @@ class Audit:
     backwards: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     _stats: dict[str, _GroupStats] = field(default_factory=dict, repr=False)
-    _prev: Any = field(default=None, repr=False)
+    _observing: Any = field(default=None, repr=False)
     _entered: bool = field(default=False, repr=False)
 
     def __enter__(self) -> Audit:
         if self._entered:
             raise GraphscaleError("graphscale.audit: this audit is already active; make a new one with audit().")
         self._entered = True
-        self._prev = _state.observer
-        _state.observer = self._observe
+        self._observing = observing(self._observe)
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _state.observer = self._prev
-        self._prev = None
+        self._observing.__exit__(*exc)
+        self._observing = None
 
     def report(self) -> str:
         lines = [

@@ -56,7 +56,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import _call, _planning, _state
+from . import _call, _observe, _planning, _state
 from ._group import Group
 from ._state import State
 
@@ -98,7 +98,7 @@ class BackwardCall(NamedTuple):
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
 
-    def run(self, state: State | None, seeds: Any = None, hooks: bool = True, laps: _state.Laps | None = None,
+    def run(self, state: State | None, seeds: Any = None, hooks: bool = True, laps: _observe.Laps | None = None,
             nested: tuple[Mapping[Group, float], float] | None = None) -> None:
         """The original backward, with ``seeds`` in place of the given seeds if
         not None, its graph task bound to ``state`` when that governs engines
@@ -125,7 +125,7 @@ class BackwardCall(NamedTuple):
                 laps.skip()
 
 
-def _post_hook(mults: tuple[tuple[int, float], ...], laps: _state.Laps | None) -> Callable[..., Any]:
+def _post_hook(mults: tuple[tuple[int, float], ...], laps: _observe.Laps | None) -> Callable[..., Any]:
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         out = list(grad_inputs)
         for k, m in mults:
@@ -194,7 +194,7 @@ def governed_backward(
     inputs: Any = None,
 ) -> None:
     """``torch.autograd.backward`` with every owned leaf scaled by its group's factor."""
-    observer = _state.observer
+    observer = _observe.observer()
     if observer is not None:
         return observer(_governed_backward, tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     return _governed_backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
@@ -203,7 +203,7 @@ def governed_backward(
 def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
                        grad_variables: Any, inputs: Any) -> None:
     current = torch._C._current_autograd_node()
-    laps = _state.laps(nested=current is not None)
+    laps = _observe.laps(nested=current is not None)
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     if current is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
         return _run_nested(call, current, laps)
@@ -217,7 +217,7 @@ def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | Non
         _leave()
 
 
-def _run_top_level(call: BackwardCall, state: State, laps: _state.Laps | None) -> None:
+def _run_top_level(call: BackwardCall, state: State, laps: _observe.Laps | None) -> None:
     if state.pending:  # NOTE [ FSDP2's backward leaves ]
         state = state.ready()
     # NOTE [ Which snapshot an output hook obeys ]: call.run binds the graph task
@@ -245,7 +245,7 @@ def _run_top_level(call: BackwardCall, state: State, laps: _state.Laps | None) -
 
 
 def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence[float],
-                   factors: Mapping[Group, float], walked: float, laps: _state.Laps | None,
+                   factors: Mapping[Group, float], walked: float, laps: _observe.Laps | None,
                    nested: tuple[Mapping[Group, float], float] | None) -> None:
     """NOTE [ Fast path ]: every seed times ``f``, nothing planned."""
     assert call.roots is not None and call.grads is not None
@@ -255,9 +255,8 @@ def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence
         return call.run(state)
     if laps:
         laps("seeds")
-    recorder = _state.walk_recorder
-    if recorder is not None:  # no plan: the probe's time
-        recorder(0, walked, sum(1 for m in mults if m != 1.0))
+    if _observe.walks_recorded():  # no plan: the probe's time
+        _observe.record_walk(0, walked, sum(1 for m in mults if m != 1.0))
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: fast path, walked 0 nodes in %.1f us, %d multiplication(s) (root seeds x %g), "
@@ -268,7 +267,7 @@ def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence
     return call.run(state, seeds, laps=laps, nested=nested)
 
 
-def _run_nested(call: BackwardCall, current: Any, laps: _state.Laps | None) -> None:
+def _run_nested(call: BackwardCall, current: Any, laps: _observe.Laps | None) -> None:
     """A backward called from inside ``current``'s backward: NOTE [ Nested backward ]."""
     if call.roots is None:
         return call.run(_state.task_state())
@@ -287,19 +286,18 @@ def _run_nested(call: BackwardCall, current: Any, laps: _state.Laps | None) -> N
 
 
 def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, walked: float, carries: Sequence[float],
-              laps: _state.Laps | None) -> None:
+              laps: _observe.Laps | None) -> None:
     """Scale the seeds, hook the nodes, run the backward with ``entry``
     registered for nested backwards, unhook in ``finally``.  ``carries``:
     what each seed carries already (the plan's seeds assume ``plan.base``);
     ``walked``: the seconds it took to walk and plan."""
     assert call.roots is not None and call.grads is not None
-    recorder = _state.walk_recorder
     plan_seeds, base = plan.seeds, plan.base  # each read of a native plan's field converts it: once
     mults = [s * base / c for s, c in zip(plan_seeds, carries)]
     edge_mults = plan.multiplications - sum(1 for s in plan_seeds if s != 1.0)
     multiplications = edge_mults + sum(1 for m in mults if m != 1.0)
-    if recorder is not None:
-        recorder(plan.num_nodes, walked, multiplications)
+    if _observe.walks_recorded():
+        _observe.record_walk(plan.num_nodes, walked, multiplications)
     seeds: Any = None
     if multiplications:
         seeds = _call.scaled_seeds(call.roots, call.grads, mults)

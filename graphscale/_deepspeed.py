@@ -86,7 +86,8 @@ import torch
 from ._deepspeed_checks import check_engine
 from ._errors import GraphscaleError
 from ._group import UNSET, Group
-from ._state import CARRIES_ATTR, backward_state, engine_backward, governing_binding, laps
+from ._observe import laps
+from ._state import CARRIES_ATTR, backward_state, engine_backward, governing_binding
 
 __all__ = [
     "is_engine", "attach", "EngineGroup", "loss_scale", "scale_reader", "zero_stage",

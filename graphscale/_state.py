@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ __all__ = [
     "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "Binding",
     "bound", "task_binding", "task_state", "governing_binding", "backward_state", "Running", "running_plan",
     "running", "find_enclosing",
-    "enclosing_phi", "observer", "walk_recorder", "phase_recorder", "Laps", "laps",
+    "enclosing_phi",
 ]
 
 # NOTE [ Unowned leaves ]
@@ -493,48 +492,3 @@ def enclosing_phi(node: Any) -> float | None:
     """The potential a running plan gave ``node``, or None where none saw it."""
     found = find_enclosing(node)
     return None if found is None else found[1]
-
-
-# ---------------------------------------------------------------- observation points
-# An observer wraps every governed backward while set (graphscale.audit sets
-# it): observer(run, *backward_args) must call run(*backward_args) once.
-observer: Callable[..., None] | None = None
-
-# A walk recorder sees every walked plan while set (benchmarks/overhead.py):
-# walk_recorder(nodes, seconds_to_walk_and_plan, multiplications); the fast
-# path calls it with (0, seconds_to_probe, seeds_scaled).
-walk_recorder: Callable[[int, float, int], None] | None = None
-
-# A phase recorder sees graphscale's own time per backward while set
-# (benchmarks/overhead.py): phase_recorder(phase, seconds) for "prepare"
-# (the call read, factors, decision inputs), "walk+plan" (probe or plan),
-# "seeds" (seed scaling), "hooks on", "bind" (the graph task's binding),
-# "hooks off" (removal and unbinding), "hook calls" (inside the backward)
-# and "adapter" (engine.backward's wrapper around DeepSpeed's); a nested
-# backward's phases start with "nested ".  Torch's and DeepSpeed's own work is
-# in none of them.
-phase_recorder: Callable[[str, float], None] | None = None
-
-
-class Laps:
-    """Reports the time since the last lap to the phase recorder under a
-    phase's name; made only while one is set."""
-
-    __slots__ = ("record", "prefix", "t")
-
-    def __init__(self, record: Callable[[str, float], None], prefix: str = "") -> None:
-        self.record, self.prefix, self.t = record, prefix, time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.record(self.prefix + phase, now - self.t)
-        self.t = now
-
-    def skip(self) -> None:
-        """Start the next lap now (what ran since is not graphscale's)."""
-        self.t = time.perf_counter()
-
-
-def laps(nested: bool = False) -> Laps | None:
-    record = phase_recorder
-    return None if record is None else Laps(record, "nested " if nested else "")

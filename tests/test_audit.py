@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphscale
-from graphscale import _backward, _state
+from graphscale import _backward, _observe
 from conftest import require_deepspeed
 
 
@@ -117,7 +117,7 @@ def test_audits_nest_and_restore_the_previous_one() -> None:
             loss().backward()
         loss().backward()  # no audit any more
     assert (outer.backwards, inner.backwards) == (1, 1)
-    assert _state.observer is None
+    assert _observe.observer() is None
 
 
 def test_an_audit_outside_any_installation_observes_nothing() -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import graphscale
-from graphscale import _state
+from graphscale import observe
 from conftest import ds_config, grad_mismatches, max_rel_err, require_deepspeed
 
 F64_RTOL = 1e-12  # float64 models; factors such as 0.3 are not powers of two
@@ -162,12 +162,8 @@ def recording() -> Iterator[list[tuple[int, int]]]:
     """Every governed backward's (nodes walked, multiplications), through the
     walk recorder (the fast path records (0, seeds scaled))."""
     seen: list[tuple[int, int]] = []
-    prev = _state.walk_recorder
-    _state.walk_recorder = lambda nodes, seconds, mults: seen.append((nodes, mults))
-    try:
+    with observe.walks(lambda nodes, seconds, mults: seen.append((nodes, mults))):
         yield seen
-    finally:
-        _state.walk_recorder = prev
 
 
 # ------------------------------------------------------------------ exactness, one multiplication per region
