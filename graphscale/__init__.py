@@ -14,6 +14,7 @@ any graph and any backward style.
 """
 from __future__ import annotations
 
+from . import observe
 from ._audit import Audit, audit
 from ._errors import AuditError, ConfigurationError, GraphscaleError
 from ._explain import ExplainedPlan, explain
@@ -22,6 +23,10 @@ from ._install import Installation, install
 
 __all__ = [
     "Group", "install", "Installation", "GraphscaleError", "ConfigurationError",
-    "explain", "ExplainedPlan", "audit", "Audit", "AuditError",
+    "explain", "ExplainedPlan", "audit", "Audit", "AuditError", "observe",
 ]
 __version__ = "0.1.0"
+
+# The adapters (graphscale/_adapters.py) register themselves on import; a new
+# adapter is a new module and one name here.
+from . import _deepspeed, _fsdp  # noqa: E402,F401,I001

@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         # first-use C++ build of the native walker so a fresh machine finishes in
         # under a minute.  GRAPHSCALE_WALKER=native python -m graphscale demo overrides.
         os.environ.setdefault("GRAPHSCALE_WALKER", "python")
-        from ._demo import EXACT, format_table, run_demo
+        from ._demo import EXACT, format_report, run_demo
 
         rows, header = run_demo()
-        print(format_table(rows, header))
+        print(format_report(rows, header))
         # The demo checks itself: graphscale must be exact in every row.
         return 0 if all(r.graphscale <= EXACT for r in rows) else 1
     return 2  # pragma: no cover - argparse rejects other commands

@@ -9,10 +9,10 @@
 # AccumulateGrad node runs: nothing is accumulated and no hook that DeepSpeed
 # keeps on parameters (ZeRO reduction) fires.  DeepSpeed's output hooks do
 # fire: their per-tensor GAS division is switched off for installed engines
-# (NOTE [ DeepSpeed's two generations ]), and their once-per-backward prologue
-# (timers, ZeRO bookkeeping, the queued epilogue) does not run: the
-# reference's graph task is bound as a reference pass (NOTE [ Once per
-# backward ] in _state.py).  Then
+# (NOTE [ DeepSpeed's two generations ] in _deepspeed_engine.py), and their
+# once-per-backward prologue (timers, ZeRO bookkeeping, the queued epilogue)
+# does not run: the reference's graph task is bound as a reference pass
+# (NOTE [ Once per backward ] in _running.py).  Then
 # the real backward runs, and each leaf's .grad change is compared with
 # factor x g, factor = 1 / gas() read independently of the planner, so a wrong
 # plan, a wrong seed or a wrong factor all show.  The leaves are found by the
@@ -22,27 +22,24 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import _state
-from ._call import normalize
+from . import _adapters, _running
+from ._call import BackwardCall
 from ._errors import AuditError, GraphscaleError
 from ._group import Group, spec_reads
+from ._leaf_rows import UNOWNED, Row, reached_leaves, rows_of
 from ._observe import observing
-from ._planning import root_node
-from ._render import format_table
-from ._state import State
+from ._snapshot import Reading, State, current
+from ._table import format_table
 
 __all__ = ["audit", "Audit", "AuditError", "Mismatch"]
 
 _log = logging.getLogger("graphscale")
-
-UNOWNED = "(unowned)"
 
 
 @dataclass(frozen=True)
@@ -132,28 +129,24 @@ class Audit:
         return not self.mismatches
 
     # ------------------------------------------------------------ the check
-    def _observe(self, run: Callable[..., None], tensors: Any, grad_tensors: Any, retain_graph: Any,
-                 create_graph: bool, grad_variables: Any, inputs: Any) -> None:
-        args = (tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        state = _state.current()
-        if state is None or grad_variables is not None or torch._C._current_autograd_node() is not None:
-            return run(*args)  # nested backwards are checked as part of the outer one
-        norm = normalize(tensors, grad_tensors)
-        if norm is None:
-            return run(*args)  # torch raises its own error
-        roots, grads = norm
+    def _observe(self, run: Callable[[BackwardCall], None], call: BackwardCall) -> None:
+        state = current()
+        if state is None or call.roots is None or torch._C._current_autograd_node() is not None:
+            return run(call)  # nested backwards are checked as part of the outer one
+        roots, grads = call.roots, call.grads
+        assert grads is not None  # normalized with the roots
         if any(g is None and isinstance(t, torch.Tensor) and t.numel() != 1 for t, g in zip(roots, grads)):
-            return run(*args)  # no seed for a non-scalar root: torch raises its own error
+            return run(call)  # no seed for a non-scalar root: torch raises its own error
         _check_supported(state)
-        scaling = _state.gas_scaling_enabled()
+        scaling = _running.gas_scaling_enabled()
         reads = {g: g.read_spec() for g in state.groups}  # once: the backward reuses them (spec_reads)
         factors = {g: _expected_factor(g, reads[g], scaling) for g in state.groups}
-        leaves = _leaves(roots, inputs)
+        leaves = reached_leaves(roots, call.inputs_arg)
         if not leaves:
-            return run(*args)
-        try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot ... ])
-            with _state.bound(roots, _state.Binding(state, reference=True)) as bound_roots:
-                ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=grads, retain_graph=True,
+            return run(call)
+        try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot an output hook obeys ])
+            with _running.bound(roots, _running.Binding(Reading(state, {}), reference=True)) as bound_roots:
+                ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=list(grads), retain_graph=True,
                                           allow_unused=True)
         except RuntimeError as exc:
             raise GraphscaleError(
@@ -163,72 +156,31 @@ class Audit:
             ) from exc
         before = [None if p.grad is None else p.grad.detach().clone() for p in leaves]
         with spec_reads(reads):
-            run(*args)
+            run(call)
         self.backwards += 1
-        self._compare(state, factors, leaves, ref, before)
+        self._compare(state, factors, leaves, (ref, before))
 
     def _compare(self, state: State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
-                 ref: Sequence[torch.Tensor | None], before: Sequence[torch.Tensor | None]) -> None:
-        n = self.backwards
-        # rows: (group, parameter, delta of .grad, plain gradient, rounding slack, factor or None)
-        rows: list[tuple[str, str, torch.Tensor, torch.Tensor, float, float | None]] = []
-        for p, g, b in zip(leaves, ref, before):
-            after = p.grad
-            owner = state.owner.get(id(p))
-            name = state.leaf_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
-            gg = torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
-            if after is None:
-                if g is not None and bool(gg.any()):
-                    raise GraphscaleError(
-                        f"graphscale.audit: parameter {name!r} (group {owner.name if owner else UNOWNED!r}) "
-                        "has no .grad after backward although its plain gradient is nonzero: something moved "
-                        "it (DeepSpeed ZeRO reduction, a bf16 optimizer's hooks). audit supports plain groups "
-                        "and DeepSpeed engines at ZeRO stage 0 and 1 in fp32."
-                    )
-                delta = torch.zeros_like(gg)
-            else:
-                delta = after.detach().double() - (0.0 if b is None else b.double())
-            slack = 0.0
-            if b is not None and b.numel() and b.is_floating_point():
-                slack = 4 * torch.finfo(b.dtype).eps * float(b.abs().max())
-            rows.append((owner.name if owner else UNOWNED, name, delta, gg, slack,
-                         factors[owner] if owner else None))
-        # NOTE [ Unowned leaves ]: a backward that reaches no owned leaf is plain PyTorch; otherwise the
-        # policy's protected unowned leaves get exactly g, the others all one factor in play.
-        if all(f is None for *_, f in rows):
-            rows = [(grp, name, d, g, s, 1.0) for grp, name, d, g, s, _ in rows]
-        protected = {i for i, p in enumerate(leaves) if rows[i][5] is None
-                     and (state.policy == "plain" or (state.policy == "plain_params"
-                                                     and isinstance(p, torch.nn.Parameter)))}
-        free = [r for i, r in enumerate(rows) if r[5] is None and i not in protected]
-        best = 1.0
-        if free:
-            cands = sorted({1.0, *factors.values()}, reverse=True)
-            best = min(cands, key=lambda c: max(self._err(d, c * g, s) for _, _, d, g, s, _ in free))
-        checked = [(grp, name, d, g, s, f if f is not None else (1.0 if i in protected else best))
-                   for i, (grp, name, d, g, s, f) in enumerate(rows)]
+                 observed: tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]]) -> None:
+        """Check each leaf's ``.grad`` change against its factor x its plain
+        gradient; ``observed``: (the plain gradients, the ``.grad`` before)."""
+        rows = rows_of(state, factors, leaves, *observed)
         found: list[Mismatch] = []
         seen_groups: dict[str, tuple[float, float, float, int]] = {}
-        for group, name, delta, g, slack, f in checked:
-            want = f * g
-            err = float((delta - want).abs().max()) if delta.numel() else 0.0
+        for row in rows:
+            want = row.factor * row.plain
+            err = float((row.delta - want).abs().max()) if row.delta.numel() else 0.0
             scale = float(want.abs().max()) if want.numel() else 0.0
-            got_sq, want_sq, worst, count = seen_groups.get(group, (0.0, 0.0, 0.0, 0))
+            got_sq, want_sq, worst, count = seen_groups.get(row.group, (0.0, 0.0, 0.0, 0))
             rel = err / scale if scale else (0.0 if err == 0 else math.inf)
-            seen_groups[group] = (got_sq + float((delta * delta).sum()), want_sq + float((want * want).sum()),
-                                  max(worst, rel), count + 1)
-            if err > self.atol + self.rtol * scale + slack:
-                gn = float((g * g).sum())
-                observed = float((delta * g).sum()) / gn if gn else math.nan
-                found.append(Mismatch(n, group, name, tuple(delta.shape), f, observed, err))
-        order = [g.name for g in state.groups if g.name in seen_groups] + [UNOWNED] * (UNOWNED in seen_groups)
-        for group in order:
-            got_sq, want_sq, worst, count = seen_groups[group]
-            s = self._stats.setdefault(group, _GroupStats())
-            s.factor = next(f for grp, _, _, _, _, f in checked if grp == group)
-            s.leaves, s.backwards = count, s.backwards + 1
-            s.got_sq, s.want_sq, s.worst_rel = got_sq, want_sq, max(s.worst_rel, worst)
-            s.mismatches += sum(1 for m in found if m.group == group)
+            seen_groups[row.group] = (got_sq + float((row.delta * row.delta).sum()),
+                                      want_sq + float((want * want).sum()), max(worst, rel), count + 1)
+            if err > self.atol + self.rtol * scale + row.slack:
+                gn = float((row.plain * row.plain).sum())
+                got = float((row.delta * row.plain).sum()) / gn if gn else math.nan
+                found.append(Mismatch(self.backwards, row.group, row.name, tuple(row.delta.shape), row.factor, got,
+                                      err))
+        self._tally(state, rows, seen_groups, found)
         if not found:
             return
         self.mismatches.extend(found)
@@ -240,9 +192,17 @@ class Audit:
             )
         _log.warning("graphscale: audit found %d mismatching gradient(s):\n  %s", len(found), text)
 
-    @staticmethod
-    def _err(delta: torch.Tensor, want: torch.Tensor, slack: float) -> float:
-        return float((delta - want).abs().max()) - slack if delta.numel() else 0.0
+    def _tally(self, state: State, rows: Sequence[Row], seen_groups: dict[str, tuple[float, float, float, int]],
+               found: Sequence[Mismatch]) -> None:
+        """Fold one backward's per-group sums into the report's statistics."""
+        order = [g.name for g in state.groups if g.name in seen_groups] + [UNOWNED] * (UNOWNED in seen_groups)
+        for group in order:
+            got_sq, want_sq, worst, count = seen_groups[group]
+            s = self._stats.setdefault(group, _GroupStats())
+            s.factor = next(r.factor for r in rows if r.group == group)
+            s.leaves, s.backwards = count, s.backwards + 1
+            s.got_sq, s.want_sq, s.worst_rel = got_sq, want_sq, max(s.worst_rel, worst)
+            s.mismatches += sum(1 for m in found if m.group == group)
 
 
 def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -> Audit:
@@ -306,30 +266,6 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
 
 
 # ---------------------------------------------------------------- helpers
-def _leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
-    """The leaves a backward of ``roots`` accumulates into, by the audit's own walk."""
-    if inputs is not None:
-        ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        return [t for t in ins if isinstance(t, torch.Tensor) and t.grad_fn is None and t.requires_grad]
-    stack = [root_node(t) for t in roots]
-    seen: set[Any] = set()
-    out: list[torch.Tensor] = []
-    ids: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if isinstance(var, torch.Tensor):
-            if id(var) not in ids:
-                ids.add(id(var))
-                out.append(var)
-            continue
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return out
-
-
 def _expected_factor(group: Group, spec: tuple[str, float], scaling: bool) -> float:
     """The factor the contract promises ``group``, from its configuration as
     read for this backward (``spec``: ("gas", GAS) or ("factor", factor)), on
@@ -337,32 +273,13 @@ def _expected_factor(group: Group, spec: tuple[str, float], scaling: bool) -> fl
     shows; times an fp16 engine's loss scale."""
     kind, value = spec
     factor = (1.0 / value if kind == "gas" else value) if scaling else 1.0
-    engine = getattr(group, "engine", None)
-    if engine is None:
-        return factor
-    from ._deepspeed import loss_scale
-
-    return factor * loss_scale(engine)
+    return factor * _adapters.audit_scale(group)
 
 
 def _check_supported(state: State) -> None:
-    if state.extra or state.pending:
-        raise GraphscaleError(
-            "graphscale.audit: a group here is an FSDP2 (fully_shard) model, whose gradients FSDP2 moves out of "
-            ".grad during backward (reduce-scatter), so the audit cannot read them. Audit the same model "
-            "unsharded, on one rank, then switch back. No gradient was touched."
-        )
-    if "deepspeed" not in sys.modules:
-        return
-    from ._deepspeed import zero_stage
-
+    """Raise before the backward runs where an adapter says the audit cannot read a group's gradients."""
     for g in state.groups:
-        stage = zero_stage(g)
-        if stage >= 2:
-            raise GraphscaleError(
-                f"graphscale.audit: group {g.name!r} is a DeepSpeed engine at ZeRO stage {stage}, which moves "
-                "gradients out of .grad during backward, so the audit cannot read them. audit supports plain "
-                "groups and engines at ZeRO stage 0 and 1: check the scaling there (same model, one rank), "
-                "then switch back. No gradient was touched."
-            )
+        why = _adapters.audit_refusal(g)
+        if why is not None:
+            raise GraphscaleError(f"graphscale.audit: {why} No gradient was touched.")
 

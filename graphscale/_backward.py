@@ -6,11 +6,16 @@ replaced by :func:`governed_backward`, which reads the factors, makes a plan
 (or takes the fast path), applies it with node hooks and seed scaling, runs
 the original, and removes every hook in a ``finally``.
 
+From the entry point on, one backward is one value: the call
+(:class:`~graphscale._call.BackwardCall`) and, once the factors are read, a
+:class:`_Backward` (the call, its reading, what its seeds carry, its clocks),
+so no function here takes more than a few parameters.
+
 # NOTE [ Fast path ]
 # When every installed group has the same factor f, every owned leaf is right
 # with potential f everywhere: multiply the seeds by f, and plan nothing.
 # That is exact when the leaves the policy protects (NOTE [ Unowned leaves ]
-# in _state.py) are not reached, and it must not happen at all when no owned
+# in _snapshot.py) are not reached, and it must not happen at all when no owned
 # leaf is reached (that backward is left alone).  So a probe walks first,
 # only until it knows (_planning.probe): under "any" to the first owned leaf,
 # a few nodes away in a real model; under "plain_params" the whole graph
@@ -39,7 +44,7 @@ the original, and removes every hook in a ``finally``.
 # detached inputs through which checkpointing returns gradients to the outer
 # graph) pinned to p, so the node hands back gradients at p as the outer plan
 # expects.  The outer plan is found through a process-wide registry keyed by
-# node (_state.find_enclosing), not through thread-local state: CUDA backward
+# node (_running.find_enclosing), not through thread-local state: CUDA backward
 # runs nodes on autograd worker threads.  Inside a backward that was not
 # planned (the fast path, or left alone), a nested backward is planned from
 # the potential its graph task is bound to (NOTE [ Fast path ]), or runs
@@ -49,82 +54,30 @@ the original, and removes every hook in a ``finally``.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, NamedTuple
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 
-from . import _call, _observe, _planning, _state
+from . import _call, _observe, _planning, _running
+from ._call import ORIGINAL_BACKWARD, BackwardCall
 from ._group import Group
-from ._state import State
+from ._observe import Laps
+from ._pyplan import PyPlan
+from ._snapshot import Reading, State, current
 
-__all__ = ["governed_backward", "ORIGINAL_BACKWARD", "patch", "BackwardCall"]
+__all__ = ["governed_backward", "patch"]
 
 _log = logging.getLogger("graphscale")
 
-ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
 
-
-# ---------------------------------------------------------------- the call
-class BackwardCall(NamedTuple):
-    """One call of ``torch.autograd.backward``, as given and as planned for.
-
-    ``roots``/``grads``: one entry per root (a grad None where torch makes the
-    seed), or None when the call is malformed (torch's own error is the right
-    one) or uses the deprecated ``grad_variables``.  ``inputs``: the
-    ``inputs=`` tensors as a tuple.  Iterables are read once here, so torch is
-    handed the same items graphscale planned for.
-    """
-
-    tensors: Any
-    grad_tensors: Any
-    retain_graph: bool | None
-    create_graph: bool
-    grad_variables: Any
-    inputs_arg: Any
-    roots: tuple[Any, ...] | None
-    grads: tuple[Any, ...] | None
-    inputs: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
-           grad_variables: Any, inputs: Any) -> BackwardCall:
-        tensors, grad_tensors = _call.materialize(tensors), _call.materialize(grad_tensors)
-        inputs = _call.materialize(inputs)
-        norm = None if grad_variables is not None else _call.normalize(tensors, grad_tensors)
-        in_tuple = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
-        return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
-                   None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
-
-    def run(self, state: State | None, seeds: Any = None, hooks: bool = True, laps: _observe.Laps | None = None,
-            nested: tuple[Mapping[Group, float], float] | None = None) -> None:
-        """The original backward, with ``seeds`` in place of the given seeds if
-        not None, its graph task bound to ``state`` when that governs engines
-        and the graph may hold their output hooks (``hooks``: a plan found
-        tensor hooks in it, or none looked; NOTE [ Which snapshot an output
-        hook obeys ] in _state.py), or when ``nested`` (factors, potential)
-        says how to plan a backward nested in it (NOTE [ Fast path ])."""
-        bind = nested is not None or (state is not None and state.engines and hooks)
-        if state is None or not bind or self.roots is None:
-            if laps:
-                laps.skip()
-            return ORIGINAL_BACKWARD(
-                self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
-                grad_variables=self.grad_variables, inputs=self.inputs_arg,
-            )
-        grads = self.grads if seeds is None else seeds
-        assert grads is not None  # normalized with the roots
-        factors, potential = nested if nested is not None else (None, None)
-        with _state.bound(self.roots, _state.Binding(state, factors, potential)) as roots:
-            if laps:
-                laps("bind")
-            ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
-            if laps:
-                laps.skip()
-
-
+# ---------------------------------------------------------------- the hooks
 def _post_hook(mults: tuple[tuple[int, float], ...], laps: _observe.Laps | None) -> Callable[..., Any]:
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
         out = list(grad_inputs)
@@ -180,7 +133,7 @@ def _leave() -> None:
     global _top_level_running
     with _patch_lock:
         _top_level_running -= 1
-        if _top_level_running == 0 and _state.current() is None and torch.autograd.backward is governed_backward:
+        if _top_level_running == 0 and current() is None and torch.autograd.backward is governed_backward:
             torch.autograd.backward = ORIGINAL_BACKWARD
 
 
@@ -193,21 +146,22 @@ def governed_backward(
     grad_variables: Any = None,
     inputs: Any = None,
 ) -> None:
-    """``torch.autograd.backward`` with every owned leaf scaled by its group's factor."""
+    """``torch.autograd.backward`` with every owned leaf scaled by its group's
+    factor (torch's own six parameters: the one function here that takes more
+    than five)."""
+    call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     observer = _observe.observer()
     if observer is not None:
-        return observer(_governed_backward, tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-    return _governed_backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+        return observer(_governed_backward, call)
+    return _governed_backward(call)
 
 
-def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
-                       grad_variables: Any, inputs: Any) -> None:
-    current = torch._C._current_autograd_node()
-    laps = _observe.laps(nested=current is not None)
-    call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-    if current is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
-        return _run_nested(call, current, laps)
-    state = _state.current()
+def _governed_backward(call: BackwardCall) -> None:
+    current_node = torch._C._current_autograd_node()
+    laps = _observe.laps(nested=current_node is not None)
+    if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
+        return _run_nested(call, current_node, laps)
+    state = current()
     if state is None:
         return call.run(None)
     _enter()
@@ -217,114 +171,172 @@ def _governed_backward(tensors: Any, grad_tensors: Any, retain_graph: bool | Non
         _leave()
 
 
-def _run_top_level(call: BackwardCall, state: State, laps: _observe.Laps | None) -> None:
-    if state.pending:  # NOTE [ FSDP2's backward leaves ]
+class _Backward:
+    """One governed backward once its factors are read: the call, the reading,
+    what each seed carries already, the seconds it took to walk and plan, its
+    lap clock (or None)."""
+
+    __slots__ = ("call", "reading", "carries", "walk_seconds", "laps")
+
+    def __init__(self, call: BackwardCall, reading: Reading, carries: Sequence[float], laps: Laps | None) -> None:
+        self.call, self.reading, self.carries, self.laps = call, reading, carries, laps
+        self.walk_seconds = 0.0
+
+    def lap(self, phase: str) -> None:
+        if self.laps:
+            self.laps(phase)
+
+    def run(self, seeds: Any = None, hooks: bool = True, potential: float | None = None) -> None:
+        """The original backward with ``seeds``, bound as :func:`_running.binding_for` says."""
+        self.call.run(_running.binding_for(self.reading, hooks, potential), seeds, self.laps)
+
+
+def _run_top_level(call: BackwardCall, state: State, laps: Laps | None) -> None:
+    if state.pending:  # NOTE [ FSDP2's backward leaves ] in _fsdp.py
         state = state.ready()
-    # NOTE [ Which snapshot an output hook obeys ]: call.run binds the graph task
     if call.roots is None:
-        return call.run(state)
-    scaling, default_carries = _state.engine_backward_frame()
-    factors = state.read_factors(scaling)  # may raise: nothing touched yet
-    carries = _call.carries(call.roots, default_carries)
-    if laps:
-        laps("prepare")
+        return call.run(None)  # malformed: torch raises its own error
+    scaling, default_carries = _running.engine_backward_frame()
+    reading = state.read(scaling)  # may raise: nothing touched yet
+    b = _Backward(call, reading, _call.carries(call.roots, default_carries), laps)
+    b.lap("prepare")
     t0 = time.perf_counter()
-    decision = _planning.decide(call.roots, state, factors, call.inputs, all(c == 1.0 for c in carries))
-    walked = time.perf_counter() - t0
-    if laps:
-        laps("walk+plan")
-    nested = None if decision.nested is None else (factors, decision.nested)
+    decision = _planning.decide(call.roots, reading, call.inputs, all(c == 1.0 for c in b.carries))
+    b.walk_seconds = time.perf_counter() - t0
+    b.lap("walk+plan")
     if decision.kind == _planning.UNTOUCHED:
-        return call.run(state, laps=laps, nested=nested)
+        return b.run(potential=decision.nested)
     if decision.kind == _planning.FAST_PATH:
-        return _run_fast_path(call, state, decision.factor, carries, factors, walked, laps, nested)
+        return _run_fast_path(b, decision.factor, decision.nested)
     plan = decision.plan
     if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
-        _planning.warn_unreached_groups(state, plan)
-    return _run_plan(call, plan, _state.Running(plan, factors, state), walked, carries, laps)
+        _warn_unreached_groups(state, plan)
+    return _run_plan(b, plan)
 
 
-def _run_fast_path(call: BackwardCall, state: State, f: float, carries: Sequence[float],
-                   factors: Mapping[Group, float], walked: float, laps: _observe.Laps | None,
-                   nested: tuple[Mapping[Group, float], float] | None) -> None:
-    """NOTE [ Fast path ]: every seed times ``f``, nothing planned."""
+def _run_fast_path(b: _Backward, f: float, nested: float | None) -> None:
+    """NOTE [ Fast path ]: every seed times ``f``, nothing planned; ``nested``:
+    the potential backwards nested in it are planned from, or None."""
+    call = b.call
     assert call.roots is not None and call.grads is not None
-    mults = [f / c for c in carries]
+    mults = [f / c for c in b.carries]
     seeds = _call.scaled_seeds(call.roots, call.grads, mults)
     if seeds is None:
-        return call.run(state)
-    if laps:
-        laps("seeds")
+        return b.run()  # a seed torch cannot make: torch raises its own error
+    b.lap("seeds")
+    scaled = sum(1 for m in mults if m != 1.0)
     if _observe.walks_recorded():  # no plan: the probe's time
-        _observe.record_walk(0, walked, sum(1 for m in mults if m != 1.0))
+        _observe.record_walk(0, b.walk_seconds, scaled)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug(
             "graphscale: fast path, walked 0 nodes in %.1f us, %d multiplication(s) (root seeds x %g), "
-            "factors %s; the time is the probe's, nothing was planned%s",
-            walked * 1e6, sum(1 for m in mults if m != 1.0), f, sorted({f"{g.name}={v:g}" for g, v in factors.items()}),
+            "factors %s; the time is the probe's, nothing was planned%s", b.walk_seconds * 1e6, scaled, f,
+            sorted({f"{g.name}={v:g}" for g, v in b.reading.factors.items()}),
             "; backwards nested in it will be" if nested is not None else "",
         )
-    return call.run(state, seeds, laps=laps, nested=nested)
+    return b.run(seeds, potential=nested)
 
 
-def _run_nested(call: BackwardCall, current: Any, laps: _observe.Laps | None) -> None:
-    """A backward called from inside ``current``'s backward: NOTE [ Nested backward ]."""
+def _run_nested(call: BackwardCall, current_node: Any, laps: Laps | None) -> None:
+    """A backward called from inside ``current_node``'s backward: NOTE [ Nested backward ]."""
     if call.roots is None:
-        return call.run(_state.task_state())
+        return call.run(None)
     if laps:
         laps("prepare")
     t0 = time.perf_counter()
-    found = _planning.plan_nested(current, call.roots, call.inputs)
-    walked = time.perf_counter() - t0
+    found = _planning.plan_nested(current_node, call.roots, call.inputs)
+    walk_seconds = time.perf_counter() - t0
     if laps:
         laps("walk+plan")
     if found is None:  # inside a fast-path or ungoverned backward: untouched, bound as it is
-        return call.run(_state.task_state(), laps=laps)
-    enclosing, plan = found
-    entry = _state.Running(plan, enclosing.factors, enclosing.state)
-    return _run_plan(call, plan, entry, walked, [plan.base] * len(call.roots), laps)
+        return call.run(_running.binding_for(_running.task_reading()), laps=laps)
+    reading, plan = found
+    b = _Backward(call, reading, [plan.base] * len(call.roots), laps)
+    b.walk_seconds = walk_seconds
+    return _run_plan(b, plan)
 
 
-def _run_plan(call: BackwardCall, plan: Any, entry: _state.Running, walked: float, carries: Sequence[float],
-              laps: _observe.Laps | None) -> None:
-    """Scale the seeds, hook the nodes, run the backward with ``entry``
-    registered for nested backwards, unhook in ``finally``.  ``carries``:
-    what each seed carries already (the plan's seeds assume ``plan.base``);
-    ``walked``: the seconds it took to walk and plan."""
+def _run_plan(b: _Backward, plan: Any) -> None:
+    """Scale the seeds, hook the nodes, run the backward with its plan
+    registered for nested backwards, unhook in ``finally``.  ``b.carries``:
+    what each seed carries already (the plan's seeds assume ``plan.base``)."""
+    call = b.call
     assert call.roots is not None and call.grads is not None
     plan_seeds, base = plan.seeds, plan.base  # each read of a native plan's field converts it: once
-    mults = [s * base / c for s, c in zip(plan_seeds, carries)]
+    mults = [s * base / c for s, c in zip(plan_seeds, b.carries)]
     edge_mults = plan.multiplications - sum(1 for s in plan_seeds if s != 1.0)
     multiplications = edge_mults + sum(1 for m in mults if m != 1.0)
     if _observe.walks_recorded():
-        _observe.record_walk(plan.num_nodes, walked, multiplications)
+        _observe.record_walk(plan.num_nodes, b.walk_seconds, multiplications)
     seeds: Any = None
     if multiplications:
         seeds = _call.scaled_seeds(call.roots, call.grads, mults)
         if seeds is None:
-            return call.run(entry.state)
-        if laps:
-            laps("seeds")
+            return b.run()
+        b.lap("seeds")
     # else nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ])
     if _log.isEnabledFor(logging.DEBUG):
-        _log.debug(  # the walker last: tests/test_native_walker.py reads it
-            "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, %s walker",
-            plan.num_nodes, walked * 1e6, multiplications,
-            sorted({f"{g.name}={f:g}" for g, f in entry.factors.items()}),
-            f", nested at base {plan.base:g}" if plan.base != 1.0 else "",
-            "python" if isinstance(plan, _planning.PyPlan) else "native",
-        )
+        _debug_plan(b, plan, multiplications)
     handles = []
     try:
         if edge_mults:
             for node, mults_ in plan.hooks():
-                handles.append(node.register_hook(_post_hook(mults_, laps)))
-        with _state.running_plan(entry):
-            if laps:
-                laps("hooks on")
-            call.run(entry.state, seeds, plan.tensor_hooks, laps)
+                handles.append(node.register_hook(_post_hook(mults_, b.laps)))
+        with _running.running_plan(_running.Running(plan, b.reading)):
+            b.lap("hooks on")
+            b.run(seeds, plan.tensor_hooks)
     finally:
         for h in handles:
             h.remove()
-        if laps:
-            laps("hooks off")
+        b.lap("hooks off")
+
+
+def _debug_plan(b: _Backward, plan: Any, multiplications: int) -> None:
+    _log.debug(  # the walker last: tests/test_native_walker.py reads it
+        "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, %s walker",
+        plan.num_nodes, b.walk_seconds * 1e6, multiplications,
+        sorted({f"{g.name}={f:g}" for g, f in b.reading.factors.items()}),
+        f", nested at base {plan.base:g}" if plan.base != 1.0 else "",
+        "python" if isinstance(plan, PyPlan) else "native",
+    )
+
+
+# ---------------------------------------------------------------- a group the backward missed
+_warned: weakref.WeakSet[Group] = weakref.WeakSet()
+
+
+def _warn_unreached_groups(state: State, plan: Any) -> None:
+    """A governed backward that reaches unowned nn.Parameters but none of
+    some group's is almost always a wrapper (FSDP, a PEFT or compile wrapper)
+    that swapped the group's parameters; say so, once per group."""
+    reached = set(plan.groups_reached())
+    missing = [g for k, g in enumerate(state.groups) if k not in reached and g not in _warned and g.parameters]
+    if not missing:
+        return
+    _warned.update(missing)
+    params = plan.unowned_parameters()
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:6]) + (", ..." if len(params) > 6 else "")
+    names = ", ".join(repr(g.name) for g in missing)
+    warnings.warn(
+        f"graphscale: this backward reached none of the parameters of group(s) {names} but reached "
+        f"{len(params)} nn.Parameter(s) that no group owns (shapes {shapes}). A wrapper (FSDP, a PEFT or "
+        "compile wrapper) may have replaced the group's parameters after the Group was made: make the "
+        "Group from the wrapped model, after wrapping. Those parameters got their plain gradient "
+        f"(unowned={state.policy!r}).",
+        stacklevel=_user_stacklevel(),
+    )
+
+
+_SKIP_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` naming the first caller outside graphscale and torch
+    (the user's ``loss.backward()``, ``engine.backward(...)`` or
+    ``torch.autograd.backward(...)`` line), for a warning raised here."""
+    frame = sys._getframe(1)
+    level = 2  # warnings.warn's caller is level 1; this function's caller is that frame
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level - 1

@@ -1,5 +1,6 @@
-"""A ``torch.autograd.backward`` call read once: its roots, its seeds, its
-``inputs=``; and the seeds multiplied.
+"""A ``torch.autograd.backward`` call read once (:class:`BackwardCall`): its
+roots, its seeds, its ``inputs=``; the seeds multiplied; and the original
+backward run for it, bound to what governs it.
 
 torch takes any iterable; a generator can be read once, so everything is
 read here, and torch is handed the same items graphscale planned for.
@@ -7,14 +8,17 @@ read here, and torch is handed the same items graphscale planned for.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import _state
+from . import _running
+from ._observe import Laps
 
-__all__ = ["materialize", "normalize", "scaled_seeds", "carries"]
+__all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize", "scaled_seeds", "carries"]
+
+ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
 
 
 def materialize(arg: Any) -> Any:
@@ -75,4 +79,58 @@ def scaled_seeds(roots: Sequence[Any], grads: Sequence[Any], mults: Sequence[flo
 def carries(roots: Sequence[Any], default: float) -> list[float]:
     """What each root's seed carries already: ``default`` (an fp16
     ``engine.backward``'s loss scale), or a tag left by ``engine.scale``."""
-    return [t.__dict__.get(_state.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
+    return [t.__dict__.get(_running.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
+
+
+class BackwardCall(NamedTuple):
+    """One call of ``torch.autograd.backward``, as given and as planned for.
+
+    ``roots``/``grads``: one entry per root (a grad None where torch makes the
+    seed), or None when the call is malformed (torch's own error is the right
+    one) or uses the deprecated ``grad_variables``.  ``inputs``: the
+    ``inputs=`` tensors as a tuple.  Iterables are read once here, so torch is
+    handed the same items graphscale planned for.
+    """
+
+    tensors: Any
+    grad_tensors: Any
+    retain_graph: bool | None
+    create_graph: bool
+    grad_variables: Any
+    inputs_arg: Any
+    roots: tuple[Any, ...] | None
+    grads: tuple[Any, ...] | None
+    inputs: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
+           grad_variables: Any, inputs: Any) -> BackwardCall:
+        """The call of ``torch.autograd.backward(tensors, grad_tensors, ...)``
+        (its own six parameters), read once."""
+        tensors, grad_tensors = materialize(tensors), materialize(grad_tensors)
+        inputs = materialize(inputs)
+        norm = None if grad_variables is not None else normalize(tensors, grad_tensors)
+        in_tuple = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
+                   None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
+
+    def run(self, binding: _running.Binding | None, seeds: Any = None, laps: Laps | None = None) -> None:
+        """The original backward, with ``seeds`` in place of the given seeds if
+        not None, its graph task bound to ``binding`` if not None
+        (:func:`_running.binding_for`; NOTE [ Which snapshot an output hook
+        obeys ] in _running.py)."""
+        if binding is None or self.roots is None:
+            if laps:
+                laps.skip()
+            return ORIGINAL_BACKWARD(
+                self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
+                grad_variables=self.grad_variables, inputs=self.inputs_arg,
+            )
+        grads = self.grads if seeds is None else seeds
+        assert grads is not None  # normalized with the roots
+        with _running.bound(self.roots, binding) as roots:
+            if laps:
+                laps("bind")
+            ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
+            if laps:
+                laps.skip()

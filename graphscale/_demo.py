@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
-from ._render import format_table as _format_table
+from ._explain import explain
+from ._install import install
+from ._table import format_table
 
-__all__ = ["Shape", "Row", "SHAPES", "run_demo", "format_table", "EXACT"]
+__all__ = ["Shape", "Row", "SHAPES", "run_demo", "format_report", "EXACT"]
 
 EXACT = 1e-5  # largest relative error still called exact (float32 round-off is ~1e-7)
 _STAGE = 1  # stage 0 refuses a direct loss.backward(); stage 1 keeps gradients in .grad
@@ -138,8 +140,6 @@ def _rel_err(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> float
 def _run_shape(deepspeed: Any, shape: Shape, governed: bool) -> tuple[float, str]:
     from deepspeed.utils import safe_get_full_grad
 
-    import graphscale
-
     torch.manual_seed(0)
     x, y = torch.randn(2, 4), torch.randn(2, 4)
     nets = [_Net() for _ in shape.gas]
@@ -160,10 +160,10 @@ def _run_shape(deepspeed: Any, shape: Shape, governed: bool) -> tuple[float, str
         want += [next(it) * (1.0 if unscaled else 1.0 / gas) for _ in ps]
 
     plan = ""
-    with (graphscale.install(*engines) if governed else contextlib.nullcontext()):
+    with (install(*engines) if governed else contextlib.nullcontext()):
         loss = shape.loss(*args(engines, [e.module for e in engines]))
         if governed:
-            explained = graphscale.explain(loss, scale_wrt_gas=not unscaled)
+            explained = explain(loss, scale_wrt_gas=not unscaled)
             n = len(explained.multiplications)
             plan = explained.note.split(",")[0] if explained.fast_path else f"{n} multiplication{'s' * (n != 1)}"
             if not n:
@@ -195,13 +195,13 @@ def run_demo(shapes: Sequence[Shape] = SHAPES) -> tuple[list[Row], str]:
     return rows, header
 
 
-def format_table(rows: Sequence[Row], header: str) -> str:
+def format_report(rows: Sequence[Row], header: str) -> str:
     """The demo's report: one row per shape, errors relative to the oracle."""
 
     def cell(err: float) -> str:
         return f"{err:.2g}  " + ("exact" if err <= EXACT else "WRONG")
 
-    table = _format_table(["shape", "DeepSpeed alone", "with graphscale", "graphscale's plan"],
+    table = format_table(["shape", "DeepSpeed alone", "with graphscale", "graphscale's plan"],
                           [[r.shape, cell(r.deepspeed_alone), cell(r.graphscale), r.plan] for r in rows])
     lines = [
         f"graphscale demo: {header}",

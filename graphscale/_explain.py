@@ -1,160 +1,40 @@
 """``graphscale.explain``: the plan a backward would run, without running it.
 
 The explanation is made by the same code the governed backward runs: the
-decision (:func:`~graphscale._backward.decide`) and the
-planner (:func:`~graphscale._planning.build_plan`).  What it shows is what
-the backward would do with the groups installed now and the factors read now.
-
-The result is plain data (names, edges, potentials, multipliers): it keeps no
-reference to the autograd graph, its tensors or the groups, so holding a plan
-keeps no memory alive.
+decision (:func:`~graphscale._planning.decide`) and the Python reference
+planner (:func:`~graphscale._pyplan.build`, whose plans the native walker
+repeats).  What it shows is what the backward would do with the groups
+installed now and the factors read now, fp16 loss scales included
+(:meth:`~graphscale._snapshot.State.read`, as the backward reads them).
+The value it returns, and its renderers, are in ``_explained.py``.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import torch
-import torch.fx
 
-from . import _state
+from . import _running
 from ._call import normalize
 from ._errors import GraphscaleError
+from ._explained import ExplainedPlan, GroupInPlay, Multiplication
 from ._group import Group
 from ._plan import Plan
-from ._planning import FAST_PATH, PLANNED, build_plan, decide, root_node, top_level_request
-from ._render import plan_dot, plan_fx, plan_text
-from ._state import State
+from ._planning import FAST_PATH, PLANNED, decide, top_level_request
+from ._pyplan import build
+from ._snapshot import State, current
+from ._walk import root_node
 
-__all__ = ["explain", "ExplainedPlan", "GroupInPlay", "Multiplication"]
-
-
-@dataclass(frozen=True)
-class GroupInPlay:
-    """An installed group as the explained backward sees it.
-
-    ``leaves``: how many of its parameters this backward reaches (0: the group
-    is installed but not in this graph); ``parameters``: how many it owns.
-    """
-
-    name: str
-    factor: float
-    leaves: int
-    parameters: int
-
-
-@dataclass(frozen=True)
-class Multiplication:
-    """One multiplication the backward would run.
-
-    ``kind == "seed"``: the seed gradient of root ``node`` (``"seed[r]"``) is
-    multiplied before it enters ``target``; ``edge`` is None.
-    ``kind == "edge"``: the gradient node ``node`` sends along its edge
-    ``edge`` (``grad_inputs[edge]``, flowing along ``next_functions[edge]``)
-    is multiplied before it reaches ``target``.  ``carries``: the factor the
-    gradient carries from there on (``target``'s potential).
-    """
-
-    kind: str
-    node: str
-    edge: int | None
-    target: str
-    multiplier: float
-    carries: float = 1.0  # the potential from here on: the factor the gradient now carries
-
-
-@dataclass(frozen=True)
-class ExplainedPlan:
-    """What one governed backward would do; returned by :func:`explain`.
-
-    Plain data: names, edges, potentials and multipliers, no reference to the
-    autograd graph, its tensors or the groups.
-
-    Attributes:
-        roots: the number of roots.
-        nodes: the number of ``grad_fn`` nodes reachable from the roots.
-        walk_us: microseconds :func:`explain` spent walking and planning
-            (on the fast path the backward itself walks nothing).
-        fast_path: True when the backward would walk nothing and scale the
-            seeds by one factor (NOTE [ Fast path ] in ``_backward.py``).
-        note: the decision, in words.
-        groups: the installed groups, as :class:`GroupInPlay`.
-        unowned_leaves: leaves reached that no group owns.
-        multiplications: every multiplication, as :class:`Multiplication`.
-        node_names: a name per node, parents before children.
-        node_types: each node's ``grad_fn`` type name.
-        node_groups: the group owning each leaf node (None elsewhere).
-        potentials: the factor every gradient arriving at each node carries.
-        edges: ``edges[i][k]``: the node index ``next_functions[k]`` of node
-            ``i`` leads to, or -1.
-        root_index: each root's node index (-1: none).
-        seed_mults: each root's seed multiplier.
-        edge_mults: ``(node, edge) -> multiplier``.
-
-    ``str(plan)`` is a table; :attr:`graph` a ``torch.fx.Graph``;
-    :meth:`to_dot` Graphviz text (renderers in ``_render.py``).
-    """
-
-    roots: int
-    walk_us: float
-    fast_path: bool
-    note: str
-    groups: tuple[GroupInPlay, ...]
-    unowned_leaves: int
-    multiplications: tuple[Multiplication, ...]
-    node_names: tuple[str, ...]
-    node_types: tuple[str, ...]
-    node_groups: tuple[str | None, ...]
-    potentials: tuple[float, ...]
-    edges: tuple[tuple[int, ...], ...]
-    root_index: tuple[int, ...]
-    seed_mults: tuple[float, ...]
-    edge_mults: dict[tuple[int, int], float]
-
-    @property
-    def nodes(self) -> int:
-        return len(self.node_names)
-
-    def __repr__(self) -> str:
-        return (
-            f"<graphscale.ExplainedPlan {self.nodes} nodes, {len(self.multiplications)} multiplication(s), "
-            f"fast_path={self.fast_path}>"
-        )
-
-    def __str__(self) -> str:
-        return plan_text(self)
-
-    @cached_property
-    def graph(self) -> torch.fx.Graph:
-        """The backward as a ``torch.fx.Graph``, data flowing root -> leaves.
-
-        One placeholder per root (its seed gradient), one ``call_function``
-        node per ``grad_fn`` (its target a stand-in named after the grad_fn
-        type, which raises if called: the graph describes, it does not run),
-        and one ``operator.mul`` node per multiplication, between the node
-        that sends the gradient and the node that receives it.  The output is
-        the tuple of nodes that send nothing further (the leaves).
-        ``node.meta["graphscale"]`` holds ``kind`` ("grad_fn", "seed",
-        "mul", "output"), ``potential`` (not on the output), and
-        ``label``/``group`` for grad_fn nodes.
-        """
-        return plan_fx(self)
-
-    def to_dot(self) -> str:
-        """Graphviz DOT text: nodes filled by potential, one colour per factor,
-        a legend naming the groups of each factor, multiplications as red
-        edge labels.  Render with ``dot -Tsvg``."""
-        return plan_dot(self)
+__all__ = ["explain", "ExplainedPlan"]
 
 
 # ---------------------------------------------------------------- explain
 def _state_for(groups: Iterable[Group] | None, unowned: str) -> State:
     """The installed snapshot, or one made for ``groups`` (nothing installed)."""
     if groups is None:
-        state = _state.current()
+        state = current()
         if state is None:
             raise GraphscaleError(
                 "graphscale.explain: nothing is installed, so there is no plan to explain. Call it inside "
@@ -235,8 +115,10 @@ def _decision(plan: Plan, kind: str, fast: float, scaling: bool, factors: dict[G
 
 
 def _multiplications(labels: Sequence[str], edges: Sequence[tuple[int, ...]], root_index: Sequence[int],
-                     potentials: Sequence[float], seed_mults: Sequence[float],
-                     edge_mults: dict[tuple[int, int], float]) -> tuple[Multiplication, ...]:
+                     decided: tuple[Sequence[float], Sequence[float], dict[tuple[int, int], float]],
+                     ) -> tuple[Multiplication, ...]:
+    """Every multiplication of the decision ``decided`` (potentials, seed and edge multipliers)."""
+    potentials, seed_mults, edge_mults = decided
     out: list[Multiplication] = []
     for r, (idx, m) in enumerate(zip(root_index, seed_mults)):
         if idx >= 0 and m != 1.0:
@@ -298,11 +180,12 @@ def explain(
     """
     state = _state_for(groups, unowned)
     root_list = _checked_roots(roots, grad_tensors)
-    scaling = scale_wrt_gas and _state.gas_scaling_enabled()
-    factors = {g: (g.factor() if scaling else 1.0) for g in state.groups}
-    kind, fast, _, _ = decide(root_list, state, factors, ())
+    scaling = scale_wrt_gas and _running.gas_scaling_enabled()
+    reading = state.read(scaling)
+    factors = dict(reading.factors)
+    kind, fast, _, _ = decide(root_list, reading, ())
     t0 = time.perf_counter()
-    plan = build_plan(root_list, top_level_request(state, factors, ()))
+    plan, _ = build(root_list, top_level_request(reading, ()))
     walk_us = (time.perf_counter() - t0) * 1e6
 
     graph = plan.graph
@@ -318,7 +201,7 @@ def explain(
         note=note,
         groups=tuple(GroupInPlay(g.name, factors[g], reached.get(g, 0), len(g.parameters)) for g in state.groups),
         unowned_leaves=unowned_count,
-        multiplications=_multiplications(labels, edges, root_index, potentials, seed_mults, edge_mults),
+        multiplications=_multiplications(labels, edges, root_index, (potentials, seed_mults, edge_mults)),
         node_names=tuple(labels),
         node_types=tuple(type(node).__name__ for node in graph.nodes),
         node_groups=tuple(node_groups),

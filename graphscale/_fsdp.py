@@ -1,4 +1,6 @@
-"""FSDP2 adapter: the only module that knows ``torch.distributed.fsdp`` internals.
+"""FSDP2 adapter: the only module that knows ``torch.distributed.fsdp``
+internals.  Registered with graphscale's adapter registry (``_adapters.py``)
+at import.
 
 # NOTE [ FSDP2's backward leaves ]
 # A fully_shard-ed module's parameters() are its *sharded* parameters
@@ -11,7 +13,8 @@
 # backward's leaves are the unsharded parameters, and FSDP2 reduce-scatters
 # their gradient into the sharded parameters' .grad after backward.
 # graphscale therefore gives each unsharded parameter the group of its
-# sharded one: State.of adds them to the owner map (the snapshot holds them),
+# sharded one: State.of adds them to the owner map (the snapshot holds them;
+# this adapter's backward_leaves names them),
 # and FSDPParams whose unsharded parameter does not exist yet (installed
 # before the first forward, the usual order) stay pending in the snapshot;
 # the first governed backward after they appear rebuilds the snapshot once.
@@ -25,12 +28,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["fsdp_params", "unsharded_of", "is_sharded"]
+from . import _adapters
+
+__all__ = ["fsdp_params", "unsharded_of", "ADAPTER"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -61,10 +66,47 @@ def unsharded_of(fsdp_param: Any) -> torch.Tensor | None:
     return fsdp_param.__dict__.get("_unsharded_param")
 
 
-def sharded_of(fsdp_param: Any) -> torch.Tensor:
+def _sharded_of(fsdp_param: Any) -> torch.Tensor:
     return fsdp_param.sharded_param  # type: ignore[no-any-return]
 
 
-def is_sharded(modules: Iterable[torch.nn.Module]) -> bool:
-    """Whether any of ``modules`` holds a fully_shard-ed module."""
-    return any(True for m in modules for _ in fsdp_params(m))
+def _made(fsdp_param: Any) -> Callable[[], bool]:
+    return lambda: unsharded_of(fsdp_param) is not None
+
+
+class _FSDPAdapter(_adapters.Adapter):
+    """What the core asks about FSDP2 modules (``_adapters.py``)."""
+
+    name = "fsdp2"
+
+    def backward_leaves(self, group: Any, owns: Callable[[Any], bool]) -> tuple[
+            list[tuple[Any, str]], list[Callable[[], bool]]]:
+        """NOTE [ FSDP2's backward leaves ]: the unsharded parameters of the
+        group's FSDP2 modules whose sharded parameter the group owns, and a
+        check for each not made yet."""
+        module = group.module if "torch.distributed.fsdp" in sys.modules else None
+        if module is None:
+            return [], []
+        leaves: list[tuple[Any, str]] = []
+        pending: list[Callable[[], bool]] = []
+        for fp in fsdp_params(module):
+            sharded = _sharded_of(fp)
+            if not owns(sharded):
+                continue
+            leaf = unsharded_of(fp)
+            if leaf is None:
+                pending.append(_made(fp))
+            else:
+                leaves.append((leaf, f"{group.param_name(sharded)} (unsharded)"))
+        return leaves, pending
+
+    def audit_refusal(self, group: Any) -> str | None:
+        module = group.module if "torch.distributed.fsdp" in sys.modules else None
+        if module is None or next(fsdp_params(module), None) is None:
+            return None
+        return (f"group {group.name!r} is an FSDP2 (fully_shard) model, whose gradients FSDP2 moves out of "
+                ".grad during backward (reduce-scatter), so the audit cannot read them. Audit the same model "
+                "unsharded, on one rank, then switch back.")
+
+
+ADAPTER = _adapters.register(_FSDPAdapter())

@@ -17,6 +17,7 @@ from typing import Any, Union
 
 import torch
 
+from . import _adapters
 from ._errors import GraphscaleError
 
 __all__ = ["Group", "spec_reads"]
@@ -169,13 +170,10 @@ class Group:
 
     def __new__(cls, module_or_params: Any, gas: GasSpec = UNSET, *, factor: FactorSpec = UNSET,
                 name: str | None = None) -> Group:
-        if cls is Group and not isinstance(module_or_params, torch.Tensor):  # an engine is a Module
-            from ._deepspeed import is_engine  # imports no deepspeed
-
-            if is_engine(module_or_params):  # Group(engine, factor=...): the engine's group
-                from ._deepspeed import EngineGroup
-
-                return super().__new__(EngineGroup)
+        if cls is Group and not isinstance(module_or_params, torch.Tensor):
+            made = _adapters.group_type(module_or_params)  # e.g. Group(engine, factor=...): the engine's group
+            if made is not None:
+                return super().__new__(made)
         return super().__new__(cls)
 
     def __init__(

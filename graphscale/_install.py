@@ -2,7 +2,7 @@
 the interception of ``torch.autograd.backward``.
 
 Several installations may be active at once; their groups add up.  The
-registry turns them into one immutable :class:`~graphscale._state.State`
+registry turns them into one immutable :class:`~graphscale._snapshot.State`
 snapshot that each backward reads once, so installing or removing on another
 thread never changes a backward already running.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _backward, _native, _state
+from . import _adapters, _backward, _native, _planning, _snapshot
 from ._group import Group
 
 __all__ = ["Installation", "install"]
@@ -74,14 +74,14 @@ class Installation:
 
 
 def _as_group(obj: Any, detachers: list[Any]) -> Group:
-    from . import _deepspeed  # the only module that knows about deepspeed (which it does not import)
-
-    if _deepspeed.is_engine(obj):
-        obj = _deepspeed.EngineGroup(obj)
-    if isinstance(obj, _deepspeed.EngineGroup):
-        detachers.append(_deepspeed.attach(obj))
-        return obj
+    """``obj`` as a group (an adapter's object, e.g. a DeepSpeed engine, makes
+    its own), attached by every adapter it concerns (detachers appended)."""
+    if not isinstance(obj, Group):
+        made = _adapters.group_type(obj)
+        if made is not None:
+            obj = made(obj)
     if isinstance(obj, Group):
+        detachers.extend(_adapters.attach(obj))
         return obj
     if isinstance(obj, torch.nn.Module):
         raise TypeError(
@@ -98,17 +98,17 @@ def _as_group(obj: Any, detachers: list[Any]) -> Group:
 def _refresh() -> None:
     """Rebuild the snapshot from the active installations; patch or unpatch torch."""
     if not _installations:
-        _state.set_current(None)
+        _snapshot.set_current(None)
         _backward.patch(False)  # NOTE [ The patch outlives remove() until the backward ends ]
         return
-    state = _state.State.of(
+    state = _snapshot.State.of(
         (g for inst in _installations for g in inst._groups),
-        _state.strictest(inst.unowned for inst in _installations),
+        _snapshot.strictest(inst.unowned for inst in _installations),
     )
     native = _native.loaded()
     if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
-        _native.owners_for(state, native)
-    _state.set_current(state)
+        _planning.native_owners(state, native)
+    _snapshot.set_current(state)
     _backward.patch(True)
 
 
@@ -122,7 +122,7 @@ def install(*groups: Any, unowned: str = "plain_params") -> Installation:
             with its own gradient-accumulation steps; ``Group(engine,
             factor=...)`` gives it another factor).
         unowned: what leaves that no group owns receive in a backward that
-            reaches owned ones (NOTE [ Unowned leaves ] in ``_state.py``; a
+            reaches owned ones (NOTE [ Unowned leaves ] in ``_snapshot.py``; a
             backward that reaches no owned leaf is left alone whatever the
             policy): ``"plain_params"`` (default): an unowned ``nn.Parameter``
             exactly its plain gradient, other unowned leaves (inputs that
@@ -163,7 +163,7 @@ def install(*groups: Any, unowned: str = "plain_params") -> Installation:
         >>> a.weight.grad, b.weight.grad
         (tensor([[0.5000, 0.5000]]), tensor([[0.2500, 0.2500]]))
     """
-    _state.check_policy(unowned, "install")
+    _snapshot.check_policy(unowned, "install")
     if not groups:
         raise ValueError("graphscale: install() needs at least one Group or DeepSpeed engine.")
     _native.prepare()  # NOTE [ No backward waits for a compiler ]: cached load, or a background build

@@ -53,7 +53,8 @@ class _Pushed:
     def __init__(self, stack: _Stack, fn: Any) -> None:
         if not callable(fn):
             raise TypeError(f"graphscale: an observation point takes a callable, got {type(fn).__name__}.")
-        self.stack, self.fn, self.entry = stack, fn, None
+        self.stack, self.fn = stack, fn
+        self.entry: Callable[..., Any] | None = None
 
     def __enter__(self) -> None:
         if self.entry is not None:

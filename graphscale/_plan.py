@@ -72,26 +72,59 @@ def make_plan(
 
     ``roots[r]`` is the node index of backward root ``r`` (its ``grad_fn``, or
     its ``AccumulateGrad`` for a leaf root), or -1 for a root with no node.
-    ``base`` is the potential the incoming seeds already carry.
+    ``base`` is the potential the incoming seeds already carry.  Three
+    passes (the native walker's Planner has the same phases): bottom-up
+    preferences, top-down potentials, and the multipliers where they change.
     """
     edges = graph.edges
+    phi = _top_down(edges, _bottom_up(edges, pins), base)
+    edge_mults: dict[int, tuple[tuple[int, float], ...]] = {}
+    for u, pu in enumerate(phi):
+        row = tuple((k, phi[c] / pu) for k, c in enumerate(edges[u]) if c >= 0 and phi[c] != pu)
+        if row:
+            edge_mults[u] = row
+    seeds = tuple(phi[r] / base if r >= 0 else 1.0 for r in roots)
+    return Plan(graph=graph, phi=tuple(phi), seeds=seeds, edge_mults=edge_mults, base=base)
+
+
+class _Preferences:
+    """What the bottom-up pass found: the distinct pin ``values`` (a value's
+    bit is its index), each pinned node's bit, each node's preferred bit
+    (``choice``, -1: free) and, at mixed nodes, its children's votes per bit."""
+
+    __slots__ = ("values", "bit_of", "pin_bit", "choice", "votes")
+
+    def __init__(self, n: int, pins: dict[int, float]) -> None:
+        self.values: list[float] = []
+        self.bit_of: dict[float, int] = {}
+        for v in pins.values():
+            if v not in self.bit_of:
+                self.bit_of[v] = len(self.values)
+                self.values.append(v)
+        self.pin_bit = {i: self.bit_of[v] for i, v in pins.items()}
+        self.choice = [-1] * n
+        self.votes: dict[int, list[int]] = {}
+
+    def potential_of(self, v: int, parent: float) -> float:
+        """Node ``v``'s potential under a parent at ``parent``: its preference,
+        or the parent's value where that is free or ties with it."""
+        b = self.choice[v]
+        if b < 0:
+            return parent
+        tally = self.votes.get(v)
+        if tally is not None and v not in self.pin_bit:
+            pb = self.bit_of.get(parent)
+            if pb is not None and tally[pb] == tally[b]:
+                return parent
+        return self.values[b]
+
+
+def _bottom_up(edges: Sequence[Sequence[int]], pins: dict[int, float]) -> _Preferences:
+    """Reachable pin values below each node, and each node's preferred value."""
     n = len(edges)
-    bit_of: dict[float, int] = {}
-    values: list[float] = []
-
-    def bit(value: float) -> int:
-        b = bit_of.get(value)
-        if b is None:
-            b = bit_of[value] = len(values)
-            values.append(value)
-        return b
-
-    pin_bit: dict[int, int] = {i: bit(v) for i, v in pins.items()}
-
-    # Bottom-up: reachable pin values F, and each node's preferred value.
+    prefs = _Preferences(n, pins)
+    choice, pin_bit = prefs.choice, prefs.pin_bit
     reach = [0] * n
-    choice = [-1] * n  # bit this node would take on its own; -1: free
-    votes: dict[int, list[int]] = {}  # mixed node -> votes per bit
     for v in range(n - 1, -1, -1):
         m = 0
         for c in edges[v]:
@@ -104,41 +137,25 @@ def make_plan(
         elif m & (m - 1) == 0:  # zero or one value below
             choice[v] = m.bit_length() - 1 if m else -1
         else:
-            tally = [0] * len(values)
+            tally = [0] * len(prefs.values)
             for c in edges[v]:
                 if c >= 0 and choice[c] >= 0:
                     tally[choice[c]] += 1
-            votes[v] = tally
+            prefs.votes[v] = tally
             choice[v] = max(range(len(tally)), key=tally.__getitem__)
         reach[v] = m
+    return prefs
 
-    def decide(v: int, parent: float) -> float:
-        b = choice[v]
-        if b < 0:
-            return parent
-        tally = votes.get(v)
-        if tally is not None and v not in pin_bit:
-            pb = bit_of.get(parent)
-            if pb is not None and tally[pb] == tally[b]:
-                return parent
-        return values[b]
 
-    # Top-down: parents come first in graph order, so the first parent decides.
+def _top_down(edges: Sequence[Sequence[int]], prefs: _Preferences, base: float) -> list[float]:
+    """Potentials: parents come first in graph order, so the first parent decides."""
+    n = len(edges)
     phi: list[float | None] = [None] * n
     for u in range(n):
         pu = phi[u]
         if pu is None:
-            pu = phi[u] = decide(u, base)
+            pu = phi[u] = prefs.potential_of(u, base)
         for c in edges[u]:
             if c >= 0 and phi[c] is None:
-                phi[c] = decide(c, pu)
-
-    final: list[float] = phi  # type: ignore[assignment]  # every entry is set above
-    edge_mults: dict[int, tuple[tuple[int, float], ...]] = {}
-    for u in range(n):
-        pu = final[u]
-        row = tuple((k, final[c] / pu) for k, c in enumerate(edges[u]) if c >= 0 and final[c] != pu)
-        if row:
-            edge_mults[u] = row
-    seeds = tuple(final[r] / base if r >= 0 else 1.0 for r in roots)
-    return Plan(graph=graph, phi=tuple(final), seeds=seeds, edge_mults=edge_mults, base=base)
+                phi[c] = prefs.potential_of(c, pu)
+    return phi  # type: ignore[return-value]  # every entry is set above

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ._errors import InternalError, internal_assert
 
-__all__ = ["Graph", "walk", "ACCUMULATE_GRAD"]
+__all__ = ["Graph", "walk", "root_node", "ACCUMULATE_GRAD", "CUSTOM_FUNCTION"]
 
 
 def _accumulate_grad_type() -> type:
@@ -28,6 +29,19 @@ def _accumulate_grad_type() -> type:
 
 
 ACCUMULATE_GRAD: type = _accumulate_grad_type()
+CUSTOM_FUNCTION: type = torch.autograd.function.BackwardCFunction  # a custom autograd.Function's node
+
+
+def root_node(t: Any) -> Any:
+    """The node a backward root starts at: an edge's node, a tensor's
+    ``grad_fn``, a leaf's ``AccumulateGrad``; None for a tensor without grad."""
+    if isinstance(t, GradientEdge):
+        return t.node
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return get_gradient_edge(t).node
+    return None
 
 
 @dataclass

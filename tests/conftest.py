@@ -46,14 +46,14 @@ def _native_walker_ready() -> None:
 def _no_installation_leaks() -> Any:
     """Every test must leave torch exactly as it found it."""
     yield
-    from graphscale import _backward, _install, _state
+    from graphscale import _backward, _install, _running
 
     leaked = list(_install._installations)
     for inst in leaked:
         inst.remove()
     assert not leaked, f"test left installations active: {leaked}"
     assert torch.autograd.backward is _backward.ORIGINAL_BACKWARD
-    assert not _state.running(), "a plan stayed registered after its backward"
+    assert not _running.running(), "a plan stayed registered after its backward"
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphscale
-from graphscale import _backward, _observe
+from graphscale import _backward, _call, _observe
 from conftest import require_deepspeed
 
 
@@ -258,7 +258,7 @@ def test_audit_of_a_direct_loss_backward_on_a_zero_1_engine_lets_deepspeed_run_i
     x, y = torch.randn(2, 3), torch.randn(2, 3)
     with graphscale.install(engine):
         with monkeypatch.context() as m, graphscale.audit() as check:  # undone before remove() restores torch
-            m.setattr(_backward, "ORIGINAL_BACKWARD", spy("backward", _backward.ORIGINAL_BACKWARD))
+            m.setattr(_call, "ORIGINAL_BACKWARD", spy("backward", _call.ORIGINAL_BACKWARD))
             (engine(x).sum() + engine.module(y).sum()).backward()
     assert check.ok and check.backwards == 1
     assert calls == ["reference", "backward", "prologue"]  # the prologue runs inside the real backward

@@ -110,7 +110,7 @@ def test_cuda_backward_runs_engine_output_hooks_off_the_callers_thread(on_cuda: 
     run on an autograd device thread, not on the thread that called
     backward, and there graphscale's thread-local is empty while the task
     binding is found."""
-    from graphscale import _state
+    from graphscale import _running
 
     torch.manual_seed(0)
     engine = make_engine(torch.nn.Linear(4, 4), gas=2, stage=1)
@@ -118,7 +118,7 @@ def test_cuda_backward_runs_engine_output_hooks_off_the_callers_thread(on_cuda: 
     seen: list[tuple[int, bool, bool]] = []
 
     def probe(grad: torch.Tensor) -> torch.Tensor:
-        seen.append((threading.get_ident(), False, _state.task_state() is not None))  # (no thread-local exists)
+        seen.append((threading.get_ident(), False, _running.task_binding() is not None))  # (no thread-local exists)
         return grad
 
     with graphscale.install(engine):

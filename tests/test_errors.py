@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward, _state
+from graphscale import _backward, _running, _snapshot
 from conftest import grad_mismatches
 
 F64 = torch.float64
@@ -37,8 +37,8 @@ def test_parameter_in_two_groups_with_different_gas_is_a_configuration_error_nam
         with graphscale.install(actor) as first:
             with pytest.raises(graphscale.ConfigurationError) as info:
                 graphscale.install(critic)
-            assert first.active and _state.current() is not None
-            assert {g.name for g in _state.current().groups} == {"actor"}
+            assert first.active and _snapshot.current() is not None
+            assert {g.name for g in _snapshot.current().groups} == {"actor"}
     else:
         with pytest.raises(graphscale.ConfigurationError) as info:
             graphscale.install(actor, critic)
@@ -127,7 +127,7 @@ def test_bad_gas_callable_fails_before_any_gradient_is_touched(bad: Callable[[],
         with pytest.raises(exc, match=r"^graphscale: the gas callable of group 'critic'"):
             b(a(x)).sum().backward()
     assert all(bool((p.grad == 7.0).all()) for p in params), "a gradient was touched"
-    assert not _state.running()
+    assert not _running.running()
 
 
 # ---------------------------------------------------------------- exceptions in backward
@@ -211,7 +211,7 @@ def test_exception_in_backward_leaves_no_hook_and_the_next_backward_exact(
                 loss.backward(retain_graph=True)
         finally:
             Boom.armed[0] = False
-        assert not _state.running(), "a plan stayed registered after its backward raised"
+        assert not _running.running(), "a plan stayed registered after its backward raised"
         grads()
         loss.backward(retain_graph=True)  # the same graph again: a stale hook would scale twice
         bad = grad_mismatches(plain, grads(), factor_of, unowned)

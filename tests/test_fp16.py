@@ -348,3 +348,27 @@ def test_fp16_training_through_an_overflow_matches_a_per_engine_reference(fp16_h
         want = [p.detach() - s for p, s in zip(refs[n].parameters(), ref_start[n])]
         err = max_rel_err(got, want)
         assert err <= STEP_TOL, f"engine {n}: weight change differs from the reference by {err:.3g} (relative)"
+
+
+# ------------------------------------------------------------------ explain shows what the backward applies
+@pytest.mark.parametrize("stage", STAGES[1:2])
+def test_explain_shows_each_fp16_engines_loss_scale_over_its_gas_and_touches_no_engine(fp16_here: None,
+                                                                                     stage: int) -> None:
+    rig = Rig(stage)
+    scales = rig.scales()
+    roots = rig.roots("two_engines")
+    flags = {n: e._manual_backward_expected for n, e in rig.engines.items()}
+    with graphscale.install(*rig.engines.values()):
+        plan = graphscale.explain(roots)
+        factors = {g.name: g.factor for g in plan.groups}
+        want = sorted(scales[n] / GAS[n] for n in GAS)
+        assert sorted(factors.values()) == want, (factors, scales)
+        # every owned leaf is planned to carry exactly its engine's pin
+        leaf_potentials = {(plan.node_groups[i], plan.potentials[i]) for i in range(plan.nodes) if plan.node_groups[i]}
+        assert leaf_potentials == set(factors.items()), (leaf_potentials, factors)
+        assert {n: e._manual_backward_expected for n, e in rig.engines.items()} == flags  # explain changed nothing
+        rig.backward("loss", roots)
+    plain = rig.plain_grads("two_engines")
+    got = rig.grads()
+    for n in GAS:
+        assert fit_ratio(got[n], plain[n]) == pytest.approx(scales[n] / GAS[n], rel=FP16_TOL)

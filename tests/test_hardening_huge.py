@@ -21,7 +21,7 @@ import torch
 import torch.utils.hooks
 
 import graphscale
-from graphscale import _planning, _state, _walk
+from graphscale import _pyplan, _request, _snapshot, _walk
 
 from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
@@ -94,7 +94,7 @@ def _check(loss_fn: Callable[[], torch.Tensor], group_a: list[torch.Tensor], gro
     _warm_up()
     with graphscale.install(graphscale.Group(group_a, gas=2, name="a"), graphscale.Group(group_b, gas=4, name="b")):
         loss = loss_fn()
-        state = _state.current()
+        state = _snapshot.current()
         assert state is not None
         factors = {g: g.factor() for g in state.groups}
 
@@ -104,7 +104,7 @@ def _check(loss_fn: Callable[[], torch.Tensor], group_a: list[torch.Tensor], gro
             graph = _walk.walk([loss.grad_fn])
             t_walk = min(t_walk, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        plan = _planning.build_plan([loss], _planning.PlanRequest(state, factors))
+        plan, _ = _pyplan.build([loss], _request.PlanRequest(_snapshot.Reading(state, factors)))
         t_plan = time.perf_counter() - t0
         # Linear structure: every reachable node once, every edge once, no more.
         assert len(graph) == expected_nodes

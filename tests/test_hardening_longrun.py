@@ -22,7 +22,7 @@ import torch
 import torch.utils.hooks
 
 import graphscale
-from graphscale import _state
+from graphscale import _running
 
 from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
@@ -100,7 +100,7 @@ def _steps(make_engine: Any, steps: int, direct: bool, stage: int, governed: boo
                     actor.backward(loss)
             left = graphscale_hooks_left(made)
             assert not left, f"step {step}: graphscale hooks left on nodes: {left}"
-            assert not _state.running(), f"step {step}: a plan stayed registered"
+            assert not _running.running(), f"step {step}: a plan stayed registered"
             for i, (e, _) in enumerate(engines):
                 err = max_rel_err(full_grads(e), acc[i])
                 assert err < 1e-5 or not governed, f"step {step}: engine {i} relative error {err:.3g}"

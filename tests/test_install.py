@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import graphscale
-from graphscale import _backward, _state
+from graphscale import _backward, _snapshot
 from conftest import grad_mismatches
 
 TORCH_BACKWARD = torch.autograd.backward  # as torch shipped it, read before any install
@@ -128,7 +128,7 @@ def test_removing_in_another_order_than_installed_restores_torch() -> None:
     assert torch.autograd.backward is _backward.governed_backward
     second.remove()
     assert torch.autograd.backward is TORCH_BACKWARD
-    assert _state.current() is None
+    assert _snapshot.current() is None
 
 
 def test_removed_handle_keeps_no_reference_to_modules_or_parameters() -> None:

@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from torch.autograd.graph import get_gradient_edge
 
 import graphscale
-from graphscale import _native, _planning
-from graphscale._state import State
+from graphscale import _native, _planning, _pyplan
+from graphscale._request import PlanRequest
+from graphscale._snapshot import Reading, State
 from graphscale._errors import GraphscaleError
 from graphscale._native import _build
 
@@ -118,11 +119,11 @@ def random_case(seed: int) -> dict[str, Any]:
 
 
 def assert_same_plan(native: Any, case: dict[str, Any]) -> None:
-    request = _planning.PlanRequest(
-        case["state"], case["factors"], base=case["base"], carrier=case["carrier"],
+    request = PlanRequest(
+        Reading(case["state"], case["factors"]), base=case["base"], carrier=case["carrier"],
         inputs=tuple(case["inputs"]), outer_phi=case.get("outer_phi"), hint=case.get("hint"),
     )
-    ref = _planning.build_plan(case["roots"], request)
+    ref, _ = _pyplan.build(case["roots"], request)
     got = _planning.native_plan(native, case["roots"], request)
     problems = []
     if got.num_nodes != len(ref.graph):
@@ -176,7 +177,7 @@ def test_phi_of_unknown_node_is_none(native: Any) -> None:
     p = torch.nn.Parameter(torch.ones(2))
     groups = (graphscale.Group([p], gas=2),)
     state = State.of(groups, "any")
-    plan = _planning.native_plan(native, [(p * 2).sum()], _planning.PlanRequest(state, {groups[0]: 0.5}))
+    plan = _planning.native_plan(native, [(p * 2).sum()], PlanRequest(Reading(state, {groups[0]: 0.5})))
     assert plan.phi_of((p * 3).grad_fn) is None
     assert plan.phi_of(None) is None
 

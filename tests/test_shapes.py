@@ -19,7 +19,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward, _call, _planning, _state
+from graphscale import _backward, _call, _planning, _pyplan, _request, _snapshot
 from conftest import grad_mismatches
 from _functions import BackwardThrough, Cube, Recompute
 
@@ -498,13 +498,13 @@ def test_walk_visits_each_node_once_and_multiplies_once_per_group_boundary(
     x, y = (world.x, world.y) if inputs_require_grad else (world.x.detach(), world.y.detach())
     loss = loss_of(world, x, y)
     with graphscale.install(*world.groups(), unowned=unowned):
-        state = _state.current()
+        state = _snapshot.current()
         assert state is not None
         factors = {g: g.factor() for g in state.groups}
         one_factor = len(set(factors.values())) == 1  # the probe proves no unowned leaf is reached: fast path
-        assert _planning.decide([loss], state, factors, ())[0] == (_planning.FAST_PATH if one_factor
+        assert _planning.decide([loss], _snapshot.Reading(state, factors), ())[0] == (_planning.FAST_PATH if one_factor
                                                                  else _planning.PLANNED)
-        plan = _planning.build_plan([loss], _planning.PlanRequest(state, factors))
+        plan, _ = _pyplan.build([loss], _request.PlanRequest(_snapshot.Reading(state, factors)))
     assert len(plan.graph) == _reachable(loss.grad_fn)
     assert plan.multiplications == multiplications
 

@@ -1,13 +1,13 @@
 """Which snapshot DeepSpeed's output hooks obey, driven from threads other
 than the caller's (NOTE [ Which snapshot an output hook obeys ] in
-graphscale/_state.py).
+graphscale/_running.py).
 
 On CUDA, autograd runs a backward's nodes on its device worker threads, so
 an engine's output hook cannot see the thread-local snapshot of the governed
 backward that the caller's thread holds.  graphscale binds each governed
 backward's graph task (``torch._C._current_graph_task_id()``, readable on
 every thread that runs the task's nodes) to its snapshot, and the hook asks
-:func:`graphscale._state.backward_state`, which reads nothing else: no
+:func:`graphscale._running.task_binding`, which reads nothing else: no
 thread-local, so what the hook sees on the CPU, where nodes run on the
 caller's thread, is exactly what it would see on a device worker thread.
 The tests check that every output hook found its task bound, and drive
@@ -20,7 +20,7 @@ Each scenario must fail when what it pins is broken; :data:`SCENARIOS` says
 which mutation breaks which scenario, and
 ``test_each_scenario_fails_under_the_mutations_it_guards_against`` runs them:
 
-* ``unbound``: :func:`graphscale._state.bound` binds nothing (the task lookup
+* ``unbound``: :func:`graphscale._running.bound` binds nothing (the task lookup
   always misses): the hook sees an ungoverned backward.
 * ``installed_now``: the hook asks "is the engine installed now?", the only
   thread-independent answer left without the binding (what issue 12 says
@@ -44,7 +44,7 @@ import torch
 import torch.utils.checkpoint
 
 import graphscale
-from graphscale import _deepspeed, _state
+from graphscale import _deepspeed_engine, _running, _snapshot
 from conftest import TanhMLP as Net, full_grads, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
@@ -180,7 +180,7 @@ def caller_thread_local_hidden(roots: Sequence[torch.Tensor], monkeypatch: pytes
     """Enter on the thread that calls the backward.  When the backward
     reaches ``roots`` (graphscale's binding hook has run; no engine's output
     hook has), ``on_reach()`` runs (a pause).  Records, for every call of the
-    output hooks' ``backward_state()``, whether the task binding was there
+    output hooks' ``task_binding()``, whether the task binding was there
     (graphscale keeps no thread-local a hook could read instead: the first
     field is always False; on CUDA the hooks run on autograd's device
     threads)."""
@@ -193,13 +193,13 @@ def caller_thread_local_hidden(roots: Sequence[torch.Tensor], monkeypatch: pytes
                 on_reach()
         return grad
 
-    asked = _deepspeed.backward_state  # whatever is there (a mutation, or the real one)
+    asked = _deepspeed_engine.task_binding  # whatever is there (a mutation, or the real one)
 
-    def recording_backward_state() -> Any:
-        seen.hook_calls.append((False, _state.task_state() is not None))
+    def recording_task_binding() -> Any:
+        seen.hook_calls.append((False, _running.task_binding() is not None))
         return asked()
 
-    monkeypatch.setattr(_deepspeed, "backward_state", recording_backward_state)
+    monkeypatch.setattr(_deepspeed_engine, "task_binding", recording_task_binding)
     handles = [r.register_hook(hide) for r in roots]
     try:
         yield seen
@@ -409,9 +409,15 @@ def _binds_nothing(roots: Sequence[Any], state: Any) -> Iterator[tuple[Any, ...]
     yield tuple(roots)
 
 
+def _installed_now() -> Any:
+    """A binding-shaped answer from what is installed now, not from the running task."""
+    state = _snapshot.current()
+    return None if state is None else _running.Binding(_snapshot.Reading(state, {}))
+
+
 MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "unbound": lambda mp: mp.setattr(_state, "bound", _binds_nothing),
-    "installed_now": lambda mp: mp.setattr(_deepspeed, "backward_state", _state.current),
+    "unbound": lambda mp: mp.setattr(_running, "bound", _binds_nothing),
+    "installed_now": lambda mp: mp.setattr(_deepspeed_engine, "task_binding", _installed_now),
 }
 
 

@@ -1,6 +1,6 @@
 """The native walker: walk + plan in C++ (``walker.cpp``), same plan as Python.
 
-``graphscale/_planning.py`` (with ``_walk.py`` and ``_plan.py``) is the reference;
+``graphscale/_pyplan.py`` (with ``_walk.py`` and ``_plan.py``) is the reference;
 ``walker.cpp`` repeats them on the C++ autograd Nodes with the same orders and
 tie-breaks (tests/test_native_walker.py compares the two on random graphs).
 
@@ -49,7 +49,6 @@ __all__ = [
     "wait",
     "status",
     "loaded",
-    "owners_for",
     "build_main",
 ]
 
@@ -244,24 +243,3 @@ def build_main(argv: list[str]) -> int:
 def loaded() -> Any:
     """The extension if it is loaded already, else None; never builds or loads."""
     return _module
-
-
-def owners_for(state: Any, module: Any) -> Any:
-    """The native ``Owners`` lookup (TensorImpl* -> group position) of ``state``.
-
-    Built once per installed state and kept on it (NOTE [ Per-snapshot tables ]
-    in graphscale/_state.py): install/remove makes a new state, and the
-    table goes with it, so it keeps no group, parameter or module alive
-    (tests/test_hardening_longrun.py).  Group positions follow ``state.groups``.
-    """
-    owners = state.cache.get("owners")
-    if owners is not None and owners[0] is module:
-        return owners[1]
-    impls: list[int] = []
-    positions: list[int] = []
-    for leaf, k in state.owned_leaves():
-        impls.append(leaf._cdata)
-        positions.append(k)
-    table = module.Owners(impls, positions)
-    state.cache["owners"] = (module, table)
-    return table

@@ -1,6 +1,6 @@
 // graphscale native walk + plan.
 //
-// The same computation as graphscale/_planning.py build_plan (the walk of
+// The same computation as graphscale/_pyplan.py build (the walk of
 // graphscale/_walk.py, the pins) followed by graphscale/_plan.py (see NOTE [
 // Potentials ] there), done on the C++ autograd Nodes directly:
 // breadth-first discovery over next_edges, Kahn's topological order, pins on
@@ -166,7 +166,7 @@ py::object py_of(Node* n) {
 }
 
 // What unowned leaves of a top-level backward must end at
-// (graphscale/_state.py UNOWNED_POLICIES, in that order).
+// (graphscale/_snapshot.py UNOWNED_POLICIES, in that order).
 enum Policy : int { kAny = 0, kPlainParams = 1, kPlain = 2 };
 
 // Is `var` an nn.Parameter, as isinstance(var, nn.Parameter) says?  Only
@@ -281,7 +281,7 @@ struct NativePlan {
   }
 };
 
-// What one plan is asked: graphscale/_planning.py PlanRequest, in C++ terms.
+// What one plan is asked: graphscale/_request.py PlanRequest, in C++ terms.
 struct Request {
   py::object owners_obj;                 // the Owners of the installed state
   const Owners* owners = nullptr;
@@ -350,7 +350,7 @@ struct Clock {
 };
 
 // One plan, in phases: discover -> pin -> order -> bottom_up -> top_down ->
-// multipliers.  The same computation as graphscale/_planning.py build_plan
+// multipliers.  The same computation as graphscale/_pyplan.py build
 // (walk, pins) then graphscale/_plan.py make_plan, with the same orders and
 // tie-breaks.  Nodes keep their discovery position throughout; the
 // topological order is a permutation (order) walked where the Python planner
@@ -459,7 +459,7 @@ class Planner {
   }
 
   // The pin of an unowned leaf (NOTE [ Unowned leaves in nested backward ];
-  // NOTE [ Unowned leaves ] in graphscale/_state.py), if any; counts it when
+  // NOTE [ Unowned leaves ] in graphscale/_snapshot.py), if any; counts it when
   // it is an nn.Parameter.
   bool unowned_pin(int32_t o, const at::Tensor& var, double* v) {
     if (R.has_outer() && R.seen_phi(P.found[o], v)) return true;
@@ -641,7 +641,7 @@ class Planner {
     }
   }
 
-  double decide(int32_t v, double parent) const {
+  double potential_of(int32_t v, double parent) const {
     int b = S.choice[v];
     if (b < 0) return parent;
     int32_t off = S.vote_at[v];
@@ -660,14 +660,14 @@ class Planner {
     set.assign(n_, 0);
     for (int32_t u : S.order) {
       if (!set[u]) {
-        phi[u] = decide(u, R.base);
+        phi[u] = potential_of(u, R.base);
         set[u] = 1;
       }
       const double pu = phi[u];
       for (int32_t e = S.kid_start[u]; e < S.kid_start[u + 1]; ++e) {
         int32_t c = S.kids[e];
         if (c >= 0 && !set[c]) {
-          phi[c] = decide(c, pu);
+          phi[c] = potential_of(c, pu);
           set[c] = 1;
         }
       }
@@ -719,7 +719,7 @@ static NativePlan plan_core(py::object roots, const std::vector<Node*>& root_nod
   return P;
 }
 
-// The plan of graphscale/_planning.py build_plan (native_plan there builds
+// The plan of graphscale/_pyplan.py build (_planning.py native_plan builds
 // this call).  roots: Python Nodes or None.  outer_phi: None, a callable
 // (node -> potential or None), or a list of the enclosing NativePlans,
 // innermost last.
@@ -755,7 +755,7 @@ static NativePlan plan(const py::list& roots, py::object owners, const std::vect
   return plan_core(roots, root_nodes, req);
 }
 
-// Root nodes as graphscale/_planning.py root_node reads them: an edge's node,
+// Root nodes as graphscale/_walk.py root_node reads them: an edge's node,
 // a tensor's grad_fn, a leaf's AccumulateGrad (kept alive in `leaf_roots`:
 // the tensor holds it only weakly), or none.  False when a root is neither a
 // tensor nor an edge.
@@ -784,7 +784,7 @@ static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
 
 // The plan of a backward nested in a node's backward (NOTE [ Nested
 // backward ] in graphscale/_backward.py), in one call: finds `current` in the
-// running plans (`entries`: graphscale._state.Running entries, their .plan,
+// running plans (`entries`: graphscale._running.Running entries, their .plan,
 // innermost last, searched innermost first), and plans `roots` (tensors or
 // GradientEdges) with that plan's owners, factors, policy and hint, base and
 // carrier its potential, every running plan as outer_phi, no inputs=.

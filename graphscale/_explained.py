@@ -1,44 +1,146 @@
-"""Renderers: the one text-table formatter, and an explained plan as text,
-a ``torch.fx.Graph`` and Graphviz DOT.
+"""The value :func:`graphscale.explain` returns, and its renderers.
 
-Each renderer reads an :class:`~graphscale._explain.ExplainedPlan` (plain
-data) and returns a new value; none keeps a reference to the plan.
+:class:`ExplainedPlan` is plain data (names, edges, potentials,
+multipliers): it keeps no reference to the autograd graph, its tensors or the
+groups, so holding a plan keeps no memory alive.  Its renderers (text, a
+``torch.fx.Graph``, Graphviz DOT) read it and return a new value.
 """
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from ._errors import GraphscaleError
+from ._table import format_table
 
-if TYPE_CHECKING:
-    from ._explain import ExplainedPlan
-
-__all__ = ["format_table", "plan_text", "plan_fx", "plan_dot"]
+__all__ = ["ExplainedPlan", "GroupInPlay", "Multiplication"]
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], rule: bool = True) -> str:
-    """Left-aligned columns two spaces apart, each line indented by two; a
-    dashed rule under the header when ``rule``.  Every table graphscale
-    prints (explain, audit, the demo) is made here."""
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+@dataclass(frozen=True)
+class GroupInPlay:
+    """An installed group as the explained backward sees it.
 
-    def line(cells: Sequence[str]) -> str:
-        return ("  " + "  ".join(v.ljust(w) for v, w in zip(cells, widths))).rstrip()
+    ``leaves``: how many of its parameters this backward reaches (0: the group
+    is installed but not in this graph); ``parameters``: how many it owns.
+    """
 
-    lines = [line(header)]
-    if rule:
-        lines.append(line(["-" * w for w in widths]))
-    lines += [line(r) for r in rows]
-    return "\n".join(lines)
+    name: str
+    factor: float
+    leaves: int
+    parameters: int
+
+
+@dataclass(frozen=True)
+class Multiplication:
+    """One multiplication the backward would run.
+
+    ``kind == "seed"``: the seed gradient of root ``node`` (``"seed[r]"``) is
+    multiplied before it enters ``target``; ``edge`` is None.
+    ``kind == "edge"``: the gradient node ``node`` sends along its edge
+    ``edge`` (``grad_inputs[edge]``, flowing along ``next_functions[edge]``)
+    is multiplied before it reaches ``target``.  ``carries``: the factor the
+    gradient carries from there on (``target``'s potential).
+    """
+
+    kind: str
+    node: str
+    edge: int | None
+    target: str
+    multiplier: float
+    carries: float = 1.0  # the potential from here on: the factor the gradient now carries
+
+
+@dataclass(frozen=True)
+class ExplainedPlan:
+    """What one governed backward would do; returned by :func:`explain`.
+
+    Plain data: names, edges, potentials and multipliers, no reference to the
+    autograd graph, its tensors or the groups.
+
+    Attributes:
+        roots: the number of roots.
+        nodes: the number of ``grad_fn`` nodes reachable from the roots.
+        walk_us: microseconds :func:`explain` spent walking and planning
+            (on the fast path the backward itself walks nothing).
+        fast_path: True when the backward would walk nothing and scale the
+            seeds by one factor (NOTE [ Fast path ] in ``_backward.py``).
+        note: the decision, in words.
+        groups: the installed groups, as :class:`GroupInPlay`.
+        unowned_leaves: leaves reached that no group owns.
+        multiplications: every multiplication, as :class:`Multiplication`.
+        node_names: a name per node, parents before children.
+        node_types: each node's ``grad_fn`` type name.
+        node_groups: the group owning each leaf node (None elsewhere).
+        potentials: the factor every gradient arriving at each node carries.
+        edges: ``edges[i][k]``: the node index ``next_functions[k]`` of node
+            ``i`` leads to, or -1.
+        root_index: each root's node index (-1: none).
+        seed_mults: each root's seed multiplier.
+        edge_mults: ``(node, edge) -> multiplier``.
+
+    ``str(plan)`` is a table; :attr:`graph` a ``torch.fx.Graph``;
+    :meth:`to_dot` Graphviz text (renderers below).
+    """
+
+    roots: int
+    walk_us: float
+    fast_path: bool
+    note: str
+    groups: tuple[GroupInPlay, ...]
+    unowned_leaves: int
+    multiplications: tuple[Multiplication, ...]
+    node_names: tuple[str, ...]
+    node_types: tuple[str, ...]
+    node_groups: tuple[str | None, ...]
+    potentials: tuple[float, ...]
+    edges: tuple[tuple[int, ...], ...]
+    root_index: tuple[int, ...]
+    seed_mults: tuple[float, ...]
+    edge_mults: dict[tuple[int, int], float]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.node_names)
+
+    def __repr__(self) -> str:
+        return (
+            f"<graphscale.ExplainedPlan {self.nodes} nodes, {len(self.multiplications)} multiplication(s), "
+            f"fast_path={self.fast_path}>"
+        )
+
+    def __str__(self) -> str:
+        return _plan_text(self)
+
+    @cached_property
+    def graph(self) -> torch.fx.Graph:
+        """The backward as a ``torch.fx.Graph``, data flowing root -> leaves.
+
+        One placeholder per root (its seed gradient), one ``call_function``
+        node per ``grad_fn`` (its target a stand-in named after the grad_fn
+        type, which raises if called: the graph describes, it does not run),
+        and one ``operator.mul`` node per multiplication, between the node
+        that sends the gradient and the node that receives it.  The output is
+        the tuple of nodes that send nothing further (the leaves).
+        ``node.meta["graphscale"]`` holds ``kind`` ("grad_fn", "seed",
+        "mul", "output"), ``potential`` (not on the output), and
+        ``label``/``group`` for grad_fn nodes.
+        """
+        return _plan_fx(self)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text: nodes filled by potential, one colour per factor,
+        a legend naming the groups of each factor, multiplications as red
+        edge labels.  Render with ``dot -Tsvg``."""
+        return _plan_dot(self)
 
 
 # ---------------------------------------------------------------- text
-def plan_text(plan: ExplainedPlan) -> str:
+def _plan_text(plan: ExplainedPlan) -> str:
     """The plan as a summary line, the decision, a table of groups, and a table
     of every multiplication."""
 
@@ -101,7 +203,7 @@ def _stand_in(type_name: str) -> Callable[..., Any]:
     return fn
 
 
-def plan_fx(plan: ExplainedPlan) -> torch.fx.Graph:
+def _plan_fx(plan: ExplainedPlan) -> torch.fx.Graph:
     """See :attr:`ExplainedPlan.graph`."""
     g = torch.fx.Graph()
     n = plan.nodes
@@ -150,7 +252,7 @@ def _esc(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def plan_dot(plan: ExplainedPlan) -> str:
+def _plan_dot(plan: ExplainedPlan) -> str:
     """See :meth:`ExplainedPlan.to_dot`."""
     values = sorted(set(plan.potentials) | {g.factor for g in plan.groups}, reverse=True)
     colour = {v: _PALETTE[i % len(_PALETTE)] for i, v in enumerate(values)}

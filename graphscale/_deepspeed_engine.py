@@ -1,0 +1,346 @@
+"""What graphscale changes on a DeepSpeed engine while it is installed, and
+undoes at remove: the engine's output hooks (two data descriptors on
+DeepSpeed's hook-manager class) and its ``backward``/``scale``/epilogue
+(shadowed on the instance).  Part of the DeepSpeed adapter (``_deepspeed.py``);
+reads ``sys.modules``, never imports deepspeed.
+
+# NOTE [ DeepSpeed's two generations ]
+# DeepSpeed divides by GAS in one of two places, by version:
+#   <= 0.19.5: engine.forward registers, through an OutputBackwardHookManager,
+#     a hook on every output tensor that calls
+#     engine._backward_prologue_per_tensor(grad) -> grad / GAS (unless the
+#     last engine.backward said scale_wrt_gas=False, a flag that sticks).
+#   >= 0.19.6 (PR 8245): engine.backward(loss) divides the loss by GAS and
+#     registers the running graph task, so that every engine's output hook
+#     skips its division; a direct loss.backward() keeps the hook division.
+# For each installed engine graphscale switches off both:
+#   * the output hooks: every hook manager reads its per-tensor function
+#     (the engine's bound _backward_prologue_per_tensor, taken at forward) at
+#     hook time from its instance attribute preprocess_per_tensor_fn.  Once an
+#     engine is installed, a data descriptor of that name sits on DeepSpeed's
+#     OutputBackwardHookManager class (data descriptors come before instance
+#     attributes) and hands every engine's hook a function that passes the
+#     gradient through when the running backward's snapshot governs the
+#     engine (NOTE [ Which snapshot an output hook obeys ] in _running.py) and
+#     calls DeepSpeed's otherwise.  Managers made before install, while
+#     installed and after are all covered, with no search of the heap
+#     (install costs the same in a process of any size); an output made while
+#     installed and backpropagated after remove(), or in an ungoverned
+#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was
+#     governed when it started stays governed if remove() runs inside it.
+#     The descriptor stays once put (a backward may outlive the last
+#     remove()); for engines no backward governs it changes nothing;
+#   * the loss division: engine.backward is shadowed by a function that calls
+#     DeepSpeed's with scale_wrt_gas=False inside _running.engine_backward(...),
+#     and returns loss / GAS (or loss) as DeepSpeed does.
+# Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
+# reduction hooks, timers) runs untouched, once per backward (NOTE [ One
+# lifecycle per backward ]).
+#
+# NOTE [ One lifecycle per backward ]
+# Each engine.forward registers its own output-hook manager, and each manager
+# runs the engine's backward prologue (timers, ZeRO's enter_backward, the
+# queued post-backward epilogue) the first time one of its hooks fires
+# (its preprocess_done flag, reset by the next forward).  So one backward over
+# two forwards of one engine ran the prologue twice: ZeRO's backward depth
+# ended at 2, and since PR 8245's lifecycle work the direct-backward epilogue
+# refuses to run at a depth above 1 (it takes it for an interrupted
+# engine.backward): the gradients were never reduced and step() raised
+# (KeyError in averaged_gradients).  And a second backward over a retained
+# graph ran no prologue at all.  Under graphscale each manager's
+# preprocess_done reads, inside a backward that governs its engine, whether
+# that engine's prologue ran in this backward (NOTE [ Once per backward ] in
+# _running.py: the backwards nested in it count as the same one), so the
+# engine's prologue runs once, before any of its output gradients, and its
+# epilogue once at the end: the queued callback of a direct backward (at
+# depth 1 now), or engine.backward's own.  Outside governed backwards the
+# flag is the manager's own, as DeepSpeed keeps it.  A governed backward that
+# raised after an engine's prologue left that prologue's depth behind; the
+# engine's next governed prologue takes it back first (the epilogue that
+# would have is what the adapter watches), so the next backward reduces, as
+# it does after an interrupted engine.backward.  A reference pass (audit)
+# runs no prologue at all.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ._deepspeed_checks import check_engine
+from ._errors import GraphscaleError
+from ._observe import laps
+from ._running import CARRIES_ATTR, engine_backward, governing_binding, task_binding
+
+__all__ = ["engine_type", "is_engine", "scale_reader", "is_output_hooked", "attach"]
+
+_lock = threading.Lock()
+_attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
+
+
+def engine_type() -> type | tuple[()]:
+    """DeepSpeedEngine, or () (no type) while deepspeed is not imported."""
+    ds = sys.modules.get("deepspeed")
+    engine_type = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
+    return engine_type if engine_type is not None else ()
+
+
+def is_engine(obj: Any) -> bool:
+    """True if ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
+    return isinstance(obj, engine_type())
+
+def _one() -> float:
+    return 1.0
+
+
+def scale_reader(engine: Any) -> Callable[[], float]:
+    """A function reading, when called, the factor DeepSpeed's engine.backward
+    multiplies the loss by (its optimizer's ``scale_if_loss``, or the ZeRO-0
+    autocast grad scaler): the fp16 loss scale, 1 for bf16 and fp32.  Which
+    attribute holds it is decided once, here; its value is read per call."""
+    opt: Any = getattr(engine, "optimizer", None)
+    if _is_zero_optimizer(opt):
+        if getattr(opt, "custom_loss_scaler", False):
+            return lambda: float(opt.external_loss_scale)
+        scaler = getattr(opt, "torch_autocast_gradscaler", None)
+        if scaler is not None:
+            return lambda: float(scaler.get_scale())
+        loss_scaler = getattr(opt, "loss_scaler", None)
+        return (lambda: float(loss_scaler.cur_scale)) if loss_scaler is not None else _one
+    z0_scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return (lambda: float(z0_scaler.get_scale())) if z0_scaler is not None else _one
+
+# ---------------------------------------------------------------- the output-hook redirect
+_FN = "preprocess_per_tensor_fn"
+_PROLOGUE = "_backward_prologue_per_tensor"
+
+
+class _Governed:
+    """An engine's per-tensor function as its output hook sees it while the
+    redirect is on: pass the gradient through when the running backward
+    governs the engine, else DeepSpeed's own (NOTE [ DeepSpeed's two
+    generations ])."""
+
+    __slots__ = ("deepspeeds",)
+
+    def __init__(self, deepspeeds: Callable[[Any], Any]) -> None:
+        self.deepspeeds = deepspeeds
+
+    def __call__(self, grad: Any) -> Any:
+        binding = task_binding()  # NOTE [ Which snapshot an output hook obeys ] (in _running.py)
+        if binding is not None and id(self.deepspeeds.__self__) in binding.state.hook_owners:  # type: ignore[attr-defined]
+            return grad  # graphscale places the factor at the engine's leaves
+        return self.deepspeeds(grad)
+
+
+def is_output_hooked(tensor: torch.Tensor) -> bool:
+    """Whether one of DeepSpeed's output hooks sits on ``tensor`` itself."""
+    hooks = tensor._backward_hooks
+    return hooks is not None and any(getattr(h, "__qualname__", "").startswith("OutputBackwardHookManager.")
+                                     for h in hooks.values())
+
+
+def _engine_of(manager: Any) -> Any:
+    """The engine whose forward made hook ``manager`` (its per-tensor function
+    is the engine's bound ``_backward_prologue_per_tensor``), or None."""
+    fn = manager.__dict__.get(_FN)
+    engine = getattr(fn, "__self__", None)
+    return engine if getattr(fn, "__name__", None) == _PROLOGUE and isinstance(engine, engine_type()) else None
+
+
+class _PerTensorRedirect:
+    """The data descriptor of NOTE [ DeepSpeed's two generations ] on
+    OutputBackwardHookManager: an engine's per-tensor function reads as
+    :class:`_Governed`; anything else as it was set."""
+
+    def __get__(self, manager: Any, owner: type | None = None) -> Any:
+        if manager is None:
+            return self
+        fn = manager.__dict__.get(_FN)
+        return fn if _engine_of(manager) is None else _Governed(fn)
+
+    def __set__(self, manager: Any, value: Any) -> None:
+        manager.__dict__[_FN] = value
+
+
+_DONE = "preprocess_done"
+
+
+class _PrologueOncePerBackward:
+    """The data descriptor of NOTE [ One lifecycle per backward ] on
+    OutputBackwardHookManager's ``preprocess_done``: inside a backward that
+    governs the manager's engine, whether that engine's prologue ran in this
+    backward (always, in a reference pass); elsewhere the manager's own flag."""
+
+    def __get__(self, manager: Any, owner: type | None = None) -> Any:
+        if manager is None:
+            return self
+        engine = _engine_of(manager)
+        binding = None if engine is None else governing_binding(engine)
+        if binding is None:
+            return manager.__dict__.get(_DONE, False)
+        return binding.reference or id(engine) in binding.once
+
+    def __set__(self, manager: Any, value: Any) -> None:
+        manager.__dict__[_DONE] = value
+        engine = _engine_of(manager) if value else None
+        binding = None if engine is None else governing_binding(engine)
+        if binding is None or binding.reference or id(engine) in binding.once:
+            return
+        binding.once.add(id(engine))  # the manager runs the engine's prologue next
+        adapter = _attached.get(id(engine))
+        if adapter is not None:
+            adapter.prologue_starts()
+
+
+_REDIRECT = _PerTensorRedirect()
+_ONCE = _PrologueOncePerBackward()
+_DESCRIPTORS = {_FN: _REDIRECT, _DONE: _ONCE}
+
+
+def _redirect_on() -> None:
+    """Put the redirect and the prologue's once-per-backward flag on
+    DeepSpeed's hook-manager class (idempotent).  They stay: a backward
+    running when the last engine is removed still needs them, and for engines
+    no backward governs they hand DeepSpeed's own values through."""
+    utils = sys.modules.get("deepspeed.runtime.utils")
+    cls = getattr(utils, "OutputBackwardHookManager", None)
+    if cls is None:
+        raise GraphscaleError(
+            "graphscale: this DeepSpeed has no deepspeed.runtime.utils.OutputBackwardHookManager, through which "
+            "graphscale switches the engines' own GAS division off; graphscale knows DeepSpeed 0.19.x. "
+            "No engine was installed."
+        )
+    for name, descriptor in _DESCRIPTORS.items():
+        present = cls.__dict__.get(name)
+        if present is not None and present is not descriptor:
+            raise GraphscaleError(
+                f"graphscale: DeepSpeed's {cls.__name__}.{name} is already defined on the class (by another tool, "
+                "or a DeepSpeed version graphscale does not know); graphscale cannot govern engines safely here. "
+                "No engine was installed."
+            )
+    for name, descriptor in _DESCRIPTORS.items():
+        setattr(cls, name, descriptor)
+
+
+class _EngineAdapter:
+    """Switches one engine's loss division off while it is installed
+    (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ])."""
+
+    def __init__(self, engine: Any) -> None:
+        self.refs = 0
+        self.active = False
+        self.engine = engine
+        cls = type(engine)
+        deepspeeds_backward = cls.backward.__get__(engine, cls)
+        deepspeeds_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
+        self.read_scale = read_scale = scale_reader(engine)
+        sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
+        if any(n in engine.__dict__ for n in (_PROLOGUE, *_SHADOWED)):
+            raise GraphscaleError(
+                "graphscale: this engine's backward, scale, _backward_epilogue or _backward_prologue_per_tensor "
+                "is already replaced on the instance (by another tool?); graphscale cannot govern it safely."
+            )
+        deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
+        self.open = False  # a governed prologue of this engine ran and its epilogue has not yet
+        adapter = self
+
+        def epilogue() -> None:
+            adapter.open = False
+            deepspeeds_epilogue()
+
+        def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+            if not adapter.active:
+                return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            timed = laps()
+            gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
+            try:
+                with engine_backward(scale_wrt_gas, carries=read_scale()):
+                    if timed:
+                        timed("adapter")
+                    deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+                    if timed:
+                        timed.skip()
+            finally:
+                if sticky_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
+                    engine._scale_wrt_gas = scale_wrt_gas
+            if timed:
+                timed("adapter")
+            return gas_scaled
+
+        def scale(loss: torch.Tensor) -> Any:
+            assert deepspeeds_scale is not None
+            carries = read_scale()
+            scaled = deepspeeds_scale(loss)
+            if adapter.active and carries != 1.0 and scaled is not loss:
+                setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]
+            return scaled
+
+        backward.__doc__ = deepspeeds_backward.__doc__
+        self.backward = backward
+        self.scale = scale if deepspeeds_scale is not None else None
+        self.epilogue = epilogue
+
+    def prologue_starts(self) -> None:
+        """A governed backward runs this engine's prologue now (NOTE [ One
+        lifecycle per backward ]): first take back the ZeRO backward depth of
+        a governed prologue whose backward raised before its epilogue."""
+        engine = self.engine
+        if self.open:
+            opt: Any = getattr(engine, "optimizer", None)
+            if _is_zero_optimizer(opt) and opt._backward_active_depth > 0:
+                opt.exit_backward()
+        self.open = True
+        if not getattr(engine, "_running_engine_backward", False) and self.read_scale() != 1.0:
+            # A direct backward: graphscale applies the loss scale (NOTE [ fp16 engines ]), which
+            # DeepSpeed's epilogue checks was done.
+            engine._manual_backward_expected = True
+
+    def enable(self) -> None:
+        self.engine.backward = self.backward
+        self.engine._backward_epilogue = self.epilogue
+        if self.scale is not None:
+            self.engine.scale = self.scale
+        self.active = True
+
+    def disable(self) -> None:
+        self.active = False
+        for name in _SHADOWED:
+            self.engine.__dict__.pop(name, None)
+
+
+_SHADOWED = ("backward", "scale", "_backward_epilogue")  # what an adapter puts on its engine instance
+
+
+def _is_zero_optimizer(opt: Any) -> bool:
+    zero_type = getattr(sys.modules.get("deepspeed.runtime.base_optimizer"), "ZeROOptimizer", None)
+    return zero_type is not None and isinstance(opt, zero_type)
+
+
+def attach(engine: Any) -> Callable[[], None]:
+    """Govern ``engine``; return a function that undoes this once."""
+    with _lock:
+        adapter = _attached.get(id(engine))
+        if adapter is None:
+            check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]: before anything is touched
+            _redirect_on()
+            adapter = _EngineAdapter(engine)
+            _attached[id(engine)] = adapter
+            adapter.enable()
+        adapter.refs += 1
+    done = False
+
+    def detach() -> None:
+        nonlocal done
+        with _lock:
+            if done:
+                return
+            done = True
+            adapter.refs -= 1
+            if adapter.refs == 0:
+                adapter.disable()
+                del _attached[id(engine)]
+
+    return detach

@@ -1,0 +1,191 @@
+"""The package's shape: who imports whom, how big things are, where NOTEs live.
+
+graphscale's modules stand in layers (``LAYERS``, bottom first): a module
+imports only modules on lower layers, counting imports inside functions, so
+there is no import circle; the core and the tools never import an adapter
+(they ask ``_adapters``' registry); no module outgrows one concern; and every
+``NOTE [ ... ]`` a comment or docstring cites exists, in the file it names.
+Read from the source with ``ast``: nothing is imported.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "graphscale"
+
+# Bottom first.  A module may import only modules on lower layers.
+LAYERS: list[tuple[str, ...]] = [
+    ("_errors", "_adapters", "_observe", "_table"),
+    ("_walk", "_native._build"),
+    ("_native", "_plan", "_group"),
+    ("_snapshot",),
+    ("_running", "_request", "_hints"),
+    ("_call", "_pyplan"),
+    ("_planning",),
+    ("_backward",),
+    ("_install", "_explained", "_leaf_rows", "observe"),
+    ("_explain", "_audit"),
+    ("_demo",),
+    # the adapters: above everything they plug into
+    ("_deepspeed_checks", "_fsdp"),
+    ("_deepspeed_engine",),
+    ("_deepspeed",),
+    ("__init__",),
+    ("__main__",),
+]
+ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_checks", "_fsdp"}
+CORE_AND_TOOLS = {"_group", "_snapshot", "_running", "_request", "_hints", "_call", "_pyplan", "_planning",
+                  "_backward", "_plan", "_walk", "_install", "_explain", "_explained", "_audit", "_demo",
+                  "_table", "_observe", "_leaf_rows"}
+# The functions that take torch.autograd.backward's own six parameters.
+TORCH_SIGNATURE = {("_backward.py", "governed_backward"), ("_call.py", "of")}
+MAX_MODULE_LINES = 350
+MAX_FUNCTION_LINES = 60  # code lines: the docstring not counted
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" and len(rel.parts) > 1 else rel.parts
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every graphscale module ``name`` imports, anywhere in the file."""
+    package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+    if name == "__init__":
+        package = []
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "graphscale" or alias.name.startswith("graphscale."):
+                    found.add(alias.name.removeprefix("graphscale").lstrip(".") or "__init__")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module is None or not (node.module == "graphscale" or node.module.startswith("graphscale.")):
+                    continue
+                base: list[str] = node.module.split(".")[1:]
+            else:
+                base = (package[: len(package) - (node.level - 1)] if node.level > 1 else list(package))
+                base = base + (node.module.split(".") if node.module else [])
+            prefix = ".".join(base)
+            if node.module is None or node.level == 0 and not base:
+                for alias in node.names:  # from . import _x / from graphscale import _x
+                    candidate = f"{prefix}.{alias.name}" if prefix else alias.name
+                    found.add(candidate if candidate in MODULES else (prefix or "__init__"))
+            else:
+                found.add(prefix or "__init__")
+    found.discard(name)
+    return found
+
+
+MODULES = _modules()
+LAYER = {m: k for k, layer in enumerate(LAYERS) for m in layer}
+
+
+def test_every_module_has_a_layer() -> None:
+    assert set(MODULES) == set(LAYER), (
+        f"modules without a layer: {sorted(set(MODULES) - set(LAYER))}; "
+        f"layers naming no module: {sorted(set(LAYER) - set(MODULES))}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_a_module_imports_only_modules_below_it(name: str) -> None:
+    upward = sorted(m for m in _imports(name, MODULES[name]) if LAYER.get(m, -1) >= LAYER[name])
+    assert not upward, f"graphscale/{name} imports {upward}, on its own layer or above"
+
+
+@pytest.mark.parametrize("name", sorted(CORE_AND_TOOLS))
+def test_the_core_and_the_tools_never_import_an_adapter_or_the_package(name: str) -> None:
+    bad = sorted(_imports(name, MODULES[name]) & (ADAPTERS | {"__init__"}))
+    assert not bad, f"graphscale/{name} imports {bad}: ask graphscale/_adapters.py's registry instead"
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = {m: _imports(m, p) & set(MODULES) for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+
+    def visit(start: str) -> list[str] | None:
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def _functions(path: Path) -> list[tuple[str, int, int]]:
+    """(name, code lines without the docstring, parameters) of every function."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                lines -= first.end_lineno - first.lineno + 1  # type: ignore[operator]
+            a = node.args
+            params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            out.append((node.name, lines, params))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_and_functions_stay_small(name: str) -> None:
+    path = MODULES[name]
+    size = len(path.read_text().splitlines())
+    assert size <= MAX_MODULE_LINES, f"graphscale/{name}: {size} lines (> {MAX_MODULE_LINES}): split a concern out"
+    long = [(f, n) for f, n, _ in _functions(path) if n > MAX_FUNCTION_LINES]
+    assert not long, f"graphscale/{name}: functions over {MAX_FUNCTION_LINES} code lines: {long}"
+    wide = [(f, p) for f, _, p in _functions(path) if p > 5 and (path.name, f) not in TORCH_SIGNATURE]
+    assert not wide, f"graphscale/{name}: functions with more than 5 parameters: {wide}"
+
+
+_NOTE = re.compile(r"NOTE \[ (.+?) \](?: in (?:graphscale/)?([\w/]+\.(?:py|cpp)))?")
+
+
+def _flat(text: str) -> str:
+    """Comments and docstrings as one line of words (references wrap lines)."""
+    return " ".join(line.strip().lstrip("#/").strip() for line in text.splitlines())
+
+
+def test_every_note_cited_exists_in_the_file_it_names() -> None:
+    files = {p.relative_to(PKG).as_posix(): p.read_text() for p in PKG.rglob("*") if p.suffix in (".py", ".cpp")}
+    defined: dict[str, set[str]] = {}
+    for rel, text in files.items():
+        for m in re.finditer(r"^\s*(?:#|//)?\s*NOTE \[ (.+?) \]\s*$", text, re.M):
+            defined.setdefault(m.group(1), set()).add(rel)
+    broken = []
+    for rel, text in files.items():
+        for m in _NOTE.finditer(_flat(text)):
+            title, where = m.group(1), m.group(2)
+            homes = defined.get(title, set())
+            if not homes:
+                broken.append(f"{rel}: NOTE [ {title} ] is defined nowhere")
+            elif where is not None and not any(h == where or h.endswith("/" + where) for h in homes):
+                broken.append(f"{rel}: NOTE [ {title} ] is in {sorted(homes)}, not {where}")
+    assert not broken, "\n".join(broken)
