@@ -1,21 +1,29 @@
-"""What the issue-13 check costs on the one-factor path, per backward.
+"""What graphscale's check costs on the one-factor path, per backward.
 
-Since issue 13 a backward with one factor in play first probes its graph
-(NOTE [ Fast path ] in graphscale/_backward.py): under "any" until the first
-owned leaf, under the default "plain_params" until an owned leaf and an
-unowned Parameter are both seen (so the whole graph when every Parameter is
-owned), and it plans instead when a custom autograd.Function (a reentrant
-checkpoint, ZeRO-3's linear) may hide leaves.  This script times, on one CPU
-thread, a backward with one Group installed against the plain backward of the
-same graph, interleaved round by round (the order alternates), median over
-many rounds, for each policy; against the same installation with the check
-skipped (the probe answering "fast path" as before issue 13); and the probe
-alone on a fresh graph.
+A backward with one factor in play first probes its graph (NOTE [ Fast path ]
+in graphscale/_backward.py): under "any" until the first owned leaf, under
+the default "plain_params" until an owned leaf and an unowned Parameter are
+both seen (so the whole graph when every Parameter is owned), and it plans
+instead when a custom autograd.Function (a reentrant checkpoint, ZeRO-3's
+linear) may hide leaves.  This script times, on one CPU thread, a backward
+with one Group installed against the plain backward of the same graph with
+nothing installed, interleaved round by round (the order alternates), median
+over many rounds, for each policy.  The path each backward takes
+("untouched", "fast path", "planned") is ``graphscale.explain``'s; what
+graphscale itself spends inside an installed backward (its decision, the
+"walk+plan" phase: the probe, and the plan where it plans; and all its
+phases together) comes from ``graphscale.observe.phases``, in one more
+installed backward per round that is not timed.
 
-Both sides call the backward function directly (plain: torch's
-``torch.autograd.backward`` as graphscale found it; installed: the governed
-one), with the forward outside the timed region.  Not a test: no timed
-assertion; the numbers go into the closing note of issue 13.
+Both timed sides call ``torch.autograd.backward`` with the forward outside
+the timed region; the installed side runs inside ``with
+graphscale.install(...)``, entered and left around it each round, untimed.
+Not a test: no timed assertion.
+
+Only graphscale's public API is used, so two things an earlier version
+measured are not here: the installed backward with the check skipped (that
+needed replacing graphscale's probe), and the probe alone through the Python
+walker (a private function).
 
     GRAPHSCALE_WALKER=auto OMP_NUM_THREADS=1 python benchmarks/untouched_check.py [--rounds-scale 1.0]
 """
@@ -28,32 +36,35 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
 import graphscale
-from graphscale import _backward, _native, _planning, _state
+from graphscale import observe
 
 POLICIES = ("plain_params", "any", "plain")
+SIDES = ("plain", "installed")
+Made = tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]
 
 # NOTE: thread CPU time, not wall time: on a shared machine a wall clock
 # also counts the time this thread waits for a core; CPU time does not, but
 # the neighbours' cache pressure and context switches still inflate it (on
 # the 2 shared cores at load 3-6, every absolute time here came out several
 # times what a quiet core gives; the ratios and the paired differences are
-# the numbers to read).  --wall switches to the wall clock.
-_clock = time.thread_time_ns
+# the numbers to read).  --wall switches to the wall clock.  graphscale's
+# phases are its own perf_counter readings, wall clock either way.
+Clock = Callable[[], int]  # nanoseconds
 
 
-def two_linear() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def two_linear() -> Made:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
     x = torch.randn(8, 16)
     return model, lambda m: m(x).square().mean()
 
 
-def gpt2_tiny(reentrant_checkpointing: bool = False) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
+def gpt2_tiny(reentrant_checkpointing: bool = False) -> Made:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -66,89 +77,91 @@ def gpt2_tiny(reentrant_checkpointing: bool = False) -> tuple[torch.nn.Module, C
     return model, lambda m: m(input_ids=ids, labels=ids).loss
 
 
-WORKLOADS: dict[str, tuple[Callable[[], Any], int]] = {
+WORKLOADS: dict[str, tuple[Callable[[], Made], int]] = {
     "2-Linear (16x16, batch 8)": (two_linear, 3000),
     "GPT-2 tiny (2 layers, width 64, seq 32)": (gpt2_tiny, 400),
     "GPT-2 tiny, reentrant checkpointing": (lambda: gpt2_tiny(True), 300),
 }
 
 
-def _nodes(root: torch.Tensor) -> int:
-    """The grad_fn nodes reachable from ``root`` (what a whole-graph probe walks)."""
-    assert root.grad_fn is not None
-    seen, stack = {root.grad_fn}, [root.grad_fn]
-    while stack:
-        for nxt, _ in stack.pop().next_functions:
-            if nxt is not None and nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return len(seen)
+def verdict(plan: graphscale.ExplainedPlan) -> str:
+    """The path the backward takes, as ``graphscale.explain`` says."""
+    if plan.fast_path:
+        return "fast path"
+    return "planned" if plan.multiplications else "untouched"
 
 
-def _no_probe(roots: Any, state: Any) -> tuple[int, bool]:
-    """What the one-factor path did before issue 13: no check (FAST, no custom Function seen)."""
-    return _planning.FAST, False
+def backward_us(made: Made, clock: Clock) -> float:
+    """Microseconds of one backward of a fresh forward."""
+    model, loss_of = made
+    loss = loss_of(model)
+    t0 = clock()
+    torch.autograd.backward(loss)
+    return (clock() - t0) / 1e3
 
 
-SIDES = ("plain", "installed", "unchecked")
+def phases_us(made: Made) -> dict[str, float]:
+    """graphscale's own microseconds, by phase, in one backward of a fresh forward."""
+    model, loss_of = made
+    seen: dict[str, float] = {}
+
+    def record(phase: str, seconds: float) -> None:
+        seen[phase] = seen.get(phase, 0.0) + seconds * 1e6
+
+    with observe.phases(record):
+        torch.autograd.backward(loss_of(model))
+    return seen
 
 
-def measure(make: Callable[[], Any], rounds: int, policy: str) -> dict[str, Any]:
-    """Interleaved rounds of three backwards of fresh graphs: plain PyTorch,
-    installed, and installed with the check skipped (``probe`` answering FAST
-    as before issue 13); then the probe alone on a fresh graph, native (or
-    whichever walker is in use) and Python."""
-    model, loss_of = make()
-    plain_backward = _backward.ORIGINAL_BACKWARD
-    probe = _planning.probe
-    timings: dict[str, list[float]] = {k: [] for k in (*SIDES, "probe", "probe_python")}
-    with graphscale.install(graphscale.Group(model, gas=4), unowned=policy):
-        state = _state.current()
-        assert state is not None
-        loss = loss_of(model)
-        nodes = _nodes(loss)
-        verdict = {_planning.NO_OWNED: "untouched", _planning.FAST: "fast path", _planning.PLAN: "planned"}[
-            probe([loss], state)[0]]
-        for side in SIDES:  # warm every path
-            _planning.probe = _no_probe if side == "unchecked" else probe
-            (plain_backward if side == "plain" else torch.autograd.backward)(loss_of(model))
-        gc.collect()
-        gc.disable()
-        try:
-            for r in range(rounds):
-                order = SIDES[r % 3:] + SIDES[:r % 3]
-                if r % 2:
-                    order = order[::-1]
-                for side in order:
-                    _planning.probe = _no_probe if side == "unchecked" else probe
-                    loss = loss_of(model)
-                    fn = plain_backward if side == "plain" else torch.autograd.backward
-                    t0 = _clock()
-                    fn(loss)
-                    timings[side].append((_clock() - t0) / 1e3)
-                _planning.probe = probe
-                loss = loss_of(model)
-                t0 = _clock()
-                probe([loss], state)
-                timings["probe"].append((_clock() - t0) / 1e3)
-                loss = loss_of(model)
-                t0 = _clock()
-                _planning._probe_python([loss], state)
-                timings["probe_python"].append((_clock() - t0) / 1e3)
-                del loss
-        finally:
-            _planning.probe = probe
-            gc.enable()
-    med = {k: statistics.median(v) for k, v in timings.items()}
+def installed(made: Made, install: Callable[[], ContextManager[Any]], clock: Clock) -> tuple[float, dict[str, float]]:
+    """Inside a fresh installation: one backward untimed, one timed, one observed.
+
+    NOTE: the first backward after ``install()`` costs a few microseconds
+    more than the next ones (on 2-Linear, ~5 %), which a training loop that
+    installs once never sees; it runs untimed, so the timed one is a
+    steady-state backward, as in a long-lived installation."""
+    with install():
+        torch.autograd.backward(made[1](made[0]))
+        us = backward_us(made, clock)
+        return us, phases_us(made)
+
+
+def measure(make: Callable[[], Made], rounds: int, policy: str, clock: Clock) -> dict[str, Any]:
+    """Interleaved rounds of two backwards of fresh graphs, plain PyTorch
+    (nothing installed) and installed (then one more, observed, for
+    graphscale's phases); the one to go first alternates."""
+    made = make()
+
+    def install() -> ContextManager[Any]:
+        return graphscale.install(graphscale.Group(made[0], gas=4), unowned=policy)
+
+    with install():
+        plan = graphscale.explain(made[1](made[0]))
+    timings: dict[str, list[float]] = {k: [] for k in (*SIDES, "decide", "own")}
+    backward_us(made, clock)  # warm both paths
+    installed(made, install, clock)
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                if side == "plain":
+                    timings["plain"].append(backward_us(made, clock))
+                    continue
+                us, phases = installed(made, install, clock)
+                timings["installed"].append(us)
+                timings["decide"].append(phases.get("walk+plan", 0.0))
+                timings["own"].append(sum(phases.values()))
+    finally:
+        gc.enable()
     return {
-        "nodes": nodes, "verdict": verdict, **med,
-        "p10_plain": _p10(timings["plain"]), "p10_installed": _p10(timings["installed"]),
+        "nodes": plan.nodes, "verdict": verdict(plan), **{k: statistics.median(v) for k, v in timings.items()},
+        "p10_plain": p10(timings["plain"]), "p10_installed": p10(timings["installed"]),
         "installed_minus_plain": statistics.median(i - p for i, p in zip(timings["installed"], timings["plain"])),
-        "check": statistics.median(i - u for i, u in zip(timings["installed"], timings["unchecked"])),
     }
 
 
-def _p10(values: list[float]) -> float:
+def p10(values: list[float]) -> float:
     """The 10th percentile: the least disturbed rounds on a shared machine."""
     return statistics.quantiles(values, n=10)[0]
 
@@ -156,35 +169,34 @@ def _p10(values: list[float]) -> float:
 COLUMNS = (  # (header, key, format)
     ("plain", "plain", ".1f"), ("installed", "installed", ".1f"), ("ratio", "ratio", ".3f"),
     ("p10 plain", "p10_plain", ".1f"), ("p10 inst.", "p10_installed", ".1f"),
-    ("inst.-plain", "installed_minus_plain", ".1f"), ("check", "check", ".1f"),
-    ("probe", "probe", ".1f"), ("py probe", "probe_python", ".1f"),
+    ("inst.-plain", "installed_minus_plain", ".1f"), ("decide", "decide", ".1f"), ("gs phases", "own", ".1f"),
 )
+
+
+def print_header(wall: bool) -> None:
+    print(f"graphscale check cost: torch {torch.__version__}, {platform.python_implementation()} "
+          f"{platform.python_version()}, {observe.walker()} walker, 1 thread, "
+          f"{'wall clock' if wall else 'thread CPU time'}, load average {os.getloadavg()[0]:.1f}")
+    print("microseconds per backward, median over interleaved rounds; p10: 10th percentile (least disturbed "
+          "rounds);\ninst.-plain: median of per-round differences, installed - plain (nothing installed);\n"
+          "decide / gs phases: graphscale's walk+plan phase (the probe, and the plan where it plans) / all its "
+          "phases,\nin one more installed backward per round (graphscale.observe.phases, wall clock)\n")
+    head = f"{'workload':40} {'policy':12} {'nodes':>5} {'path':9} " + " ".join(f"{h:>11}" for h, _, _ in COLUMNS)
+    print(head)
+    print("-" * len(head))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds-scale", type=float, default=1.0)
+    parser.add_argument("--rounds-scale", type=float, default=1.0, help="rounds per line, times this (at least 20)")
     parser.add_argument("--wall", action="store_true", help="time with the wall clock (perf_counter)")
     args = parser.parse_args()
-    global _clock
-    if args.wall:
-        _clock = time.perf_counter_ns
+    clock: Clock = time.perf_counter_ns if args.wall else time.thread_time_ns
     torch.set_num_threads(1)
-    native = _native.wait()
-    walker = "native" if native is not None else f"python ({_native.status()})"
-    print(f"graphscale check cost: torch {torch.__version__}, {platform.python_implementation()} "
-          f"{platform.python_version()}, {walker} walker, 1 thread, "
-          f"{'wall clock' if args.wall else 'thread CPU time'}, load average {os.getloadavg()[0]:.1f}")
-    print("microseconds per backward, median over interleaved rounds; p10: 10th percentile (least disturbed "
-          "rounds);\ninst.-plain and check: medians of per-round differences, installed - plain and installed - "
-          "installed with the check skipped;\nprobe / py probe: the check alone on a fresh graph (walker in use / "
-          "Python twin)\n")
-    head = f"{'workload':40} {'policy':12} {'nodes':>5} {'path':9} " + " ".join(f"{h:>11}" for h, _, _ in COLUMNS)
-    print(head)
-    print("-" * len(head))
+    print_header(args.wall)  # (waits for the native walker's build first)
     for name, (make, rounds) in WORKLOADS.items():
         for policy in POLICIES:
-            r = measure(make, max(20, int(rounds * args.rounds_scale)), policy)
+            r = measure(make, max(20, int(rounds * args.rounds_scale)), policy, clock)
             r["ratio"] = r["installed"] / r["plain"]
             print(f"{name:40} {policy:12} {r['nodes']:>5} {r['verdict']:9} "
                   + " ".join(f"{r[k]:>11{fmt}}" for _, k, fmt in COLUMNS), flush=True)
