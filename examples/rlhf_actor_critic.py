@@ -31,18 +31,17 @@ Run (from a clone of graphscale)
 from __future__ import annotations
 
 import contextlib
-import importlib
 import copy
+import importlib
 import logging
 import os
 import socket
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import graphscale
 

@@ -89,7 +89,8 @@ def window(w: int) -> list[MicroBatch]:
         g = torch.Generator().manual_seed(100 * w + i)
         lengths = torch.randint(3, SEQ + 1, (BATCH,), generator=g)
         mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).float()
-        out.append(MicroBatch(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), mask, torch.randn(BATCH, generator=g)))
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        out.append(MicroBatch(ids, mask, torch.randn(BATCH, generator=g)))
     return out
 
 

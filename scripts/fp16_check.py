@@ -17,8 +17,8 @@ support (real engines; only the capability flag is forced).
 from __future__ import annotations
 
 import argparse
-import io
 import contextlib
+import io
 import os
 import socket
 import sys
@@ -49,8 +49,9 @@ def init_dist() -> None:
 
 def ratios(rig, graph: str, call: str, govern: bool) -> tuple[dict[str, float], str]:
     """Each engine's gradient / plain gradient (least squares), and what DeepSpeed raised."""
-    import graphscale
     from test_fp16 import GAS, fit_ratio
+
+    import graphscale
 
     plain = rig.plain_grads(graph)
     raised = ""
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
              "gradient / the plain float32 gradient (want: A 128, B 4). DeepSpeed alone also raises in its "
              "post-backward check where marked (!).",
              "",
-             "| graph | call | ZeRO | graphscale A | graphscale B | max rel. err | DeepSpeed alone A | DeepSpeed alone B |",
+             "| graph | call | ZeRO | graphscale A | graphscale B | max rel. err | DeepSpeed alone A "
+             "| DeepSpeed alone B |",
              "|---|---|---|---|---|---|---|---|"]
     bad = 0
     for graph in GRAPHS:

@@ -99,8 +99,9 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
     relative gradient error after each micro-step, the engine's at the
     boundary, and the ratios of each to its oracle (readable failures)."""
     import deepspeed
-    import graphscale
     from deepspeed.utils import safe_get_full_grad
+
+    import graphscale
 
     backward, factor = VARIANTS[variant]
     model = _net(1)

@@ -9,12 +9,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
-
-import graphscale
-
-
 from _ranks import free_port as _free_port  # noqa: E402  (tests/ is on sys.path for conftest)
 
+import graphscale
 
 try:  # deepspeed is an optional extra: its tests skip without it
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -234,4 +231,5 @@ def graphscale_hooks_left(handles: list[Any]) -> list[str]:
     return left
 
 
-__all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "ds_device", "full_grads", "max_rel_err", "grad_mismatches", "graphscale"]
+__all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "ds_device", "full_grads",
+           "max_rel_err", "grad_mismatches", "graphscale"]

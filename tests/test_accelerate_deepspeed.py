@@ -56,9 +56,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import require_deepspeed
 
 import graphscale
-from conftest import require_deepspeed
 
 try:
     import accelerate  # noqa: F401

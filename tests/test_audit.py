@@ -8,10 +8,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import require_deepspeed
 
 import graphscale
 from graphscale import _backward, _call, _observe
-from conftest import require_deepspeed
 
 
 def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
@@ -180,10 +180,12 @@ def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
         # The reference ran on the engines' graph without disturbing them: the oracle's gradients.
         want_a = torch.autograd.grad(a_plain(x).sum(), list(a_plain.parameters()))
         want_b = torch.autograd.grad(b_plain(x).sum(), list(b_plain.parameters()))
-        for p, w in zip([*a_net.parameters(), *b_net.parameters()], [*(w / 2 for w in want_a), *(w / 4 for w in want_b)]):
+        wants = [*(w / 2 for w in want_a), *(w / 4 for w in want_b)]
+        for p, w in zip([*a_net.parameters(), *b_net.parameters()], wants):
             torch.testing.assert_close(p.grad, w)
         _double_every_edge_multiplier(monkeypatch)
-        with pytest.raises(graphscale.AuditError, match=r"group 'engine:Net#[0-9a-f]{4}' parameter '(body|head)\.(weight|bias)'"):
+        named = r"group 'engine:Net#[0-9a-f]{4}' parameter '(body|head)\.(weight|bias)'"
+        with pytest.raises(graphscale.AuditError, match=named):
             a.backward(a(x).sum() + b(x).sum())
     assert check.mismatches and all(m.backward == 2 for m in check.mismatches)
     a.step()  # DeepSpeed's prologue was held back only for the reference: the engine still steps
@@ -195,7 +197,8 @@ def test_audit_refuses_zero_stage_2_before_touching_anything(make_engine: Callab
     net = Net()
     engine = make_engine(net, gas=2, stage=2)
     with graphscale.install(engine), graphscale.audit():
-        with pytest.raises(graphscale.GraphscaleError, match=r"^graphscale.audit: group .* ZeRO stage 2.*stage 0 and 1"):
+        refused = r"^graphscale.audit: group .* ZeRO stage 2.*stage 0 and 1"
+        with pytest.raises(graphscale.GraphscaleError, match=refused):
             engine.backward(engine(torch.randn(2, 3)).sum())
     assert all(p.grad is None for p in net.parameters())
 
@@ -276,7 +279,8 @@ def test_a_graph_autograd_grad_cannot_take_is_refused_clearly() -> None:
     with graphscale.install(*groups), graphscale.audit():
         loss = checkpoint(lambda t: torch.nn.functional.linear(torch.tanh(t), *outer), x @ inner[0].T + inner[1],
                           use_reentrant=True).sum()
-        with pytest.raises(graphscale.GraphscaleError, match=r"^graphscale.audit: could not compute .*use_reentrant=False"):
+        refused = r"^graphscale.audit: could not compute .*use_reentrant=False"
+        with pytest.raises(graphscale.GraphscaleError, match=refused):
             loss.backward()
 
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import HAVE_DEEPSPEED, ds_device, require_deepspeed
 
 import graphscale
-from conftest import HAVE_DEEPSPEED, ds_device, require_deepspeed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.deepspeed, require_deepspeed]
 

@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _functions import Boom
+from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
-from _functions import Boom
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -177,7 +177,8 @@ def ds_view(pool: Pool, names: Any, ckpt: tuple[str, bool] | None = None) -> Vie
     m = {n: e[n].module for n in e}
     for mod in m.values():
         mod.ckpt = ckpt
-    device = ds_device()  # the engines' (cuda under DS_ACCELERATOR=cuda: tests/test_cuda.py); the oracle stays on the CPU
+    # the engines' device (cuda under DS_ACCELERATOR=cuda: tests/test_cuda.py); the oracle stays on the CPU
+    device = ds_device()
     x, y = _inputs(pool.dtype, device)
     upstream = pool.upstream.to(device=device, dtype=pool.dtype)
     return View(e.get("A"), e.get("B"), e.get("C"), m.get("A"), m.get("B"), upstream, x, y)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]

@@ -58,11 +58,9 @@ from typing import Any
 
 import pytest
 import torch
-
-import graphscale
 from _ranks import rank_results, run_ranks
 
-
+import graphscale
 
 pytestmark = pytest.mark.multirank
 
@@ -76,8 +74,8 @@ LR = 0.1
 
 # loss from (main, other, x, y)
 SHAPES: dict[str, Callable[..., torch.Tensor]] = {
-    "side_by_side": lambda M, O, x, y: (M(x) + O(y)).square().sum(),
-    "other_on_main": lambda M, O, x, y: O(torch.tanh(M(x))).square().sum(),
+    "side_by_side": lambda M, other, x, y: (M(x) + other(y)).square().sum(),
+    "other_on_main": lambda M, other, x, y: other(torch.tanh(M(x))).square().sum(),
 }
 
 # wrapper -> how the main model is wrapped and how its gradient sync is deferred

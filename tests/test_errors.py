@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import grad_mismatches
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import _backward, _running, _snapshot
-from conftest import grad_mismatches
 
 F64 = torch.float64
 

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ds_config, grad_mismatches, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale import observe
-from conftest import ds_config, grad_mismatches, max_rel_err, require_deepspeed
 
 F64_RTOL = 1e-12  # float64 models; factors such as 0.3 are not powers of two
 FP32_TOL = 1e-6
@@ -515,7 +515,8 @@ def _engine_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, 4, generator=g).to(dtype), torch.randn(3, 4, generator=g).to(dtype)
 
 
-def _engines(stage: int, bf16: bool = False, boundary: bool = True) -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
+def _engines(stage: int, bf16: bool = False,
+             boundary: bool = True) -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
     """Fresh engines A and B and float32 copies made before initialize.
     ``boundary``: reduce at every backward (gradients readable after one)."""
     import deepspeed

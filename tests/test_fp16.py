@@ -55,9 +55,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TanhMLP as Net
+from conftest import ds_config, ds_device, max_rel_err, require_deepspeed
 
 import graphscale
-from conftest import TanhMLP as Net, ds_config, ds_device, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

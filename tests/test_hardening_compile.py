@@ -13,11 +13,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale import _walk
-
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 

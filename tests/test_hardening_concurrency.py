@@ -17,11 +17,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale import _backward
-
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 
 @contextmanager

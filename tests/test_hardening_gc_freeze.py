@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import require_deepspeed
 
 import graphscale
-
-from conftest import require_deepspeed
 
 
 @require_deepspeed

@@ -10,10 +10,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 
 class Recorder:

@@ -19,11 +19,10 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.utils.hooks
+from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
 import graphscale
 from graphscale import _pyplan, _request, _snapshot, _walk
-
-from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 

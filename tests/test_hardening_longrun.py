@@ -10,7 +10,6 @@ CI runs 100 steps; ``GRAPHSCALE_FULL=1`` runs the issue's 1,000."""
 from __future__ import annotations
 
 import contextlib
-
 import gc
 import os
 import weakref
@@ -20,11 +19,10 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.utils.hooks
+from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
 import graphscale
 from graphscale import _running
-
-from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 
@@ -126,7 +124,8 @@ def _train(make_engine: Any, steps: int, direct: bool, stage: int) -> None:
     base, base_total, _ = _steps(make_engine, steps, direct, stage, governed=False)
     measured = steps - 10
     print(f"\n[{steps} steps, stage {stage}, {'loss.backward' if direct else 'engine.backward'}] "
-          f"live objects {total:+d} over {measured} steps (DeepSpeed alone {base_total:+d}), RSS {rss / 2**20:+.1f} MiB; "
+          f"live objects {total:+d} over {measured} steps (DeepSpeed alone {base_total:+d}), "
+          f"RSS {rss / 2**20:+.1f} MiB; "
           f"types grown: {sorted(grown.items(), key=lambda kv: -kv[1])[:5]}")
     # Noise (measured: DeepSpeed's cyclic garbage makes counts wobble by ~50 once,
     # not per step); a leak of one object a step of any type shows over 90 steps.

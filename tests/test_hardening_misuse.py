@@ -8,11 +8,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale import GraphscaleError
-
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 
 def _plain_grads(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import ds_config, max_rel_err, require_deepspeed
 
 import graphscale
-from conftest import ds_config, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

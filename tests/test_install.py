@@ -7,11 +7,11 @@ import weakref
 
 import pytest
 import torch
+from conftest import grad_mismatches
 from torch import nn
 
 import graphscale
 from graphscale import _backward, _snapshot
-from conftest import grad_mismatches
 
 TORCH_BACKWARD = torch.autograd.backward  # as torch shipped it, read before any install
 

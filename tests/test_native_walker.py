@@ -24,10 +24,10 @@ from torch.autograd.graph import get_gradient_edge
 
 import graphscale
 from graphscale import _native, _planning, _pyplan
-from graphscale._request import PlanRequest
-from graphscale._snapshot import Reading, State
 from graphscale._errors import GraphscaleError
 from graphscale._native import _build
+from graphscale._request import PlanRequest
+from graphscale._snapshot import Reading, State
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -239,7 +239,8 @@ def test_walker_published_during_a_backward_keeps_it_exact(
     with caplog.at_level(logging.DEBUG, logger="graphscale"):
         with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(b, gas=4)):
             loss_fn(True).backward()
-    walkers = [m.group(1) for r in caplog.records if (m := re.search(r"walked \d+ nodes .*, (\w+) walker$", r.getMessage()))]
+    said = (re.search(r"walked \d+ nodes .*, (\w+) walker$", r.getMessage()) for r in caplog.records)
+    walkers = [m.group(1) for m in said if m]
     # the outer plan, b's nested plan (before the hook), a's nested plan (after it)
     assert walkers == ["python", "python", "native"], walkers
     got = [p.grad for p in [*a.parameters(), *b.parameters()]]

@@ -13,14 +13,14 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from _functions import BackwardThrough, Cube, Recompute
+from conftest import grad_mismatches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from conftest import grad_mismatches
-from _functions import BackwardThrough, Cube, Recompute
 
 D = 3
 F64 = torch.float64

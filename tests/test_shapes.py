@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
+from _functions import BackwardThrough, Cube, Recompute
+from conftest import grad_mismatches
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import _backward, _call, _planning, _pyplan, _request, _snapshot
-from conftest import grad_mismatches
-from _functions import BackwardThrough, Cube, Recompute
 
 D = 4
 F64 = torch.float64
@@ -382,7 +382,7 @@ def test_callable_gas_is_read_at_every_backward(unowned: str) -> None:
 
     plain_world = World(gas)
     plain_steps = []
-    for i in range(len(steps)):
+    for _ in range(len(steps)):
         step(plain_world)
         plain_steps.append(_grads(plain_world.leaves()))
         for t in plain_world.leaves().values():

@@ -42,10 +42,11 @@ from typing import Any
 import pytest
 import torch
 import torch.utils.checkpoint
+from conftest import TanhMLP as Net
+from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale import _deepspeed_engine, _running, _snapshot
-from conftest import TanhMLP as Net, full_grads, max_rel_err, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -466,7 +467,7 @@ def test_deepspeed_alone_is_wrong_in_the_device_thread_cases(make_engine: Any, c
     assert rig.mismatches(want), "DeepSpeed alone is exact here: the case shows nothing"
 
 
-# ------------------------------------------------------------------ nested ungoverned backward, remove() before a recompute
+# ------------------------------------------------------------ nested ungoverned backward, remove() before a recompute
 class _GradOfEngineInBackward(torch.autograd.Function):
     """Identity whose backward runs ``torch.autograd.grad`` over an engine's
     output (a gradient penalty computed in backward): an ungoverned backward

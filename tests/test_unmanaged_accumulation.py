@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
-
-import graphscale
 from conftest import ds_config, require_deepspeed
 from test_training_parity import GAS, Net, _data, _fp32_params, _rel
+
+import graphscale
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

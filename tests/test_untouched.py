@@ -38,16 +38,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import _untouched
 import pytest
 import torch
+from _ranks import free_port, rank_results, run_ranks
+from conftest import HAVE_DEEPSPEED, full_grads, grad_mismatches, max_rel_err, require_deepspeed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import _backward
-from conftest import HAVE_DEEPSPEED, full_grads, grad_mismatches, max_rel_err, require_deepspeed
-from _ranks import free_port, rank_results, run_ranks
-import _untouched
 
 POLICIES = ("plain_params", "plain", "any")
 DS_MARKS = [pytest.mark.deepspeed, require_deepspeed]
