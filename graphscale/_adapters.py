@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = [
     "Adapter", "register", "registered", "group_type", "attach", "backward_leaves", "hook_owner",
-    "output_hooked", "audit_refusal", "audit_scale",
+    "output_hooked", "audit_refusal", "audit_scale", "audit_window",
 ]
 
 Leaf = Any  # a torch.Tensor; this module imports nothing (not even torch)
@@ -82,6 +82,19 @@ class Adapter:
         """What the framework's backward multiplies ``group``'s gradients by
         besides the group's factor (an fp16 loss scale), read now."""
         return 1.0
+
+    def audit_window(self, group: Any) -> Any:
+        """How the framework accumulates ``group``'s gradients over a window
+        of backwards and reduces them across ranks at its end, for the
+        audit's reduced-gradient check (NOTE [ Audit at the boundary ] in
+        _audit_windows.py): an object with ``steps()`` (a count that grows
+        at every optimizer step), ``starts()`` (no gradient is accumulated
+        now), ``boundary()`` (the next backward ends a window),
+        ``after_reduction(fn)`` (run ``fn`` once the framework has reduced;
+        False if it cannot), ``reduced(p)`` (the reduced gradient of ``p``)
+        and ``average(t)`` (``t`` averaged over the ranks that reduce, in
+        place, a collective); or None: nothing is reduced."""
+        return None
 
 
 _lock = threading.Lock()
@@ -164,6 +177,15 @@ def audit_refusal(group: Any) -> str | None:
         why = a.audit_refusal(group)
         if why is not None:
             return why
+    return None
+
+
+def audit_window(group: Any) -> Any:
+    """The first adapter's window object for ``group`` (see :meth:`Adapter.audit_window`), or None."""
+    for a in _adapters:
+        window = a.audit_window(group)
+        if window is not None:
+            return window
     return None
 
 

@@ -31,7 +31,8 @@ import sys
 from typing import Any, Callable
 
 from . import _adapters
-from ._deepspeed_engine import attach, is_engine, is_output_hooked, scale_reader
+from ._deepspeed_engine import after_epilogue, attach, is_output_hooked
+from ._deepspeed_reads import is_engine, scale_reader
 from ._group import UNSET, Group
 
 __all__ = ["EngineGroup", "loss_scale", "ADAPTER"]
@@ -102,19 +103,53 @@ class _DeepSpeedAdapter(_adapters.Adapter):
     def output_hooked(self, tensor: Any) -> bool:
         return is_output_hooked(tensor)
 
-    def audit_refusal(self, group: Any) -> str | None:
-        if not isinstance(group, EngineGroup):
-            return None
-        stage = int(group.engine.zero_optimization_stage())
-        if stage < 2:
-            return None
-        return (f"group {group.name!r} is a DeepSpeed engine at ZeRO stage {stage}, which moves "
-                "gradients out of .grad during backward, so the audit cannot read them. audit supports plain "
-                "groups and engines at ZeRO stage 0 and 1: check the scaling there (same model, one rank), "
-                "then switch back.")
-
     def audit_scale(self, group: Any) -> float:
         return loss_scale(group.engine) if isinstance(group, EngineGroup) else 1.0
+
+    def audit_refusal(self, group: Any) -> str | None:
+        if not isinstance(group, EngineGroup) or int(group.engine.zero_optimization_stage()) < 3:
+            return None
+        return (f"group {group.name!r} is a DeepSpeed engine at ZeRO stage 3, where a graph can be "
+                "backpropagated only once (ZeRO-3 gathers each module's parameters for one backward pass per "
+                "forward; DeepSpeed alone raises on a second pass), and the audit's plain reference is a "
+                "second pass. Audit the same model and ranks at ZeRO stage 2, whose gradients take the same "
+                "scaling, then switch back.")
+
+    def audit_window(self, group: Any) -> Any:
+        return _EngineWindow(group.engine) if isinstance(group, EngineGroup) else None
+
+
+class _EngineWindow:
+    """An engine's accumulation window as the audit reads it (``_adapters.Adapter.audit_window``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    def starts(self) -> bool:
+        return int(self.engine.micro_steps) % int(self.engine.gradient_accumulation_steps()) == 0
+
+    def boundary(self) -> bool:
+        return bool(self.engine.is_gradient_accumulation_boundary())
+
+    def after_reduction(self, fn: Callable[[], None]) -> bool:
+        return after_epilogue(self.engine, fn)  # DeepSpeed reduces in its backward epilogue
+
+    def reduced(self, p: Any) -> Any:
+        return sys.modules["deepspeed.utils"].safe_get_full_grad(p)
+
+    def average(self, t: Any) -> Any:
+        dist = sys.modules["torch.distributed"]
+        engine = self.engine
+        group = (getattr(engine.optimizer, "dp_process_group", None) or getattr(engine, "seq_data_parallel_group", None)
+                 or engine.data_parallel_group)
+        world = dist.get_world_size(group)
+        if world > 1:
+            dist.all_reduce(t, group=group)
+            t /= world
+        return t
 
 
 ADAPTER = _adapters.register(_DeepSpeedAdapter())

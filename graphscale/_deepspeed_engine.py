@@ -70,47 +70,16 @@ from typing import Any, Callable
 import torch
 
 from ._deepspeed_checks import check_engine
+from ._deepspeed_reads import engine_type, is_zero_optimizer, scale_reader
 from ._errors import GraphscaleError
 from ._observe import laps
 from ._running import CARRIES_ATTR, engine_backward, governing_binding, task_binding
 
-__all__ = ["engine_type", "is_engine", "scale_reader", "is_output_hooked", "attach"]
+__all__ = ["is_output_hooked", "attach", "after_epilogue"]
 
 _lock = threading.Lock()
 _attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
 
-
-def engine_type() -> type | tuple[()]:
-    """DeepSpeedEngine, or () (no type) while deepspeed is not imported."""
-    ds = sys.modules.get("deepspeed")
-    engine_type = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
-    return engine_type if engine_type is not None else ()
-
-
-def is_engine(obj: Any) -> bool:
-    """True if ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
-    return isinstance(obj, engine_type())
-
-def _one() -> float:
-    return 1.0
-
-
-def scale_reader(engine: Any) -> Callable[[], float]:
-    """A function reading, when called, the factor DeepSpeed's engine.backward
-    multiplies the loss by (its optimizer's ``scale_if_loss``, or the ZeRO-0
-    autocast grad scaler): the fp16 loss scale, 1 for bf16 and fp32.  Which
-    attribute holds it is decided once, here; its value is read per call."""
-    opt: Any = getattr(engine, "optimizer", None)
-    if _is_zero_optimizer(opt):
-        if getattr(opt, "custom_loss_scaler", False):
-            return lambda: float(opt.external_loss_scale)
-        scaler = getattr(opt, "torch_autocast_gradscaler", None)
-        if scaler is not None:
-            return lambda: float(scaler.get_scale())
-        loss_scaler = getattr(opt, "loss_scaler", None)
-        return (lambda: float(loss_scaler.cur_scale)) if loss_scaler is not None else _one
-    z0_scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-    return (lambda: float(z0_scaler.get_scale())) if z0_scaler is not None else _one
 
 # ---------------------------------------------------------------- the output-hook redirect
 _FN = "preprocess_per_tensor_fn"
@@ -247,9 +216,14 @@ class _EngineAdapter:
         self.open = False  # a governed prologue of this engine ran and its epilogue has not yet
         adapter = self
 
+        self.after_epilogue: list[Callable[[], None]] = []  # run once, after DeepSpeed's next epilogue
+
         def epilogue() -> None:
             adapter.open = False
             deepspeeds_epilogue()
+            waiting, adapter.after_epilogue = adapter.after_epilogue, []
+            for fn in waiting:
+                fn()
 
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
@@ -290,7 +264,7 @@ class _EngineAdapter:
         engine = self.engine
         if self.open:
             opt: Any = getattr(engine, "optimizer", None)
-            if _is_zero_optimizer(opt) and opt._backward_active_depth > 0:
+            if is_zero_optimizer(opt) and opt._backward_active_depth > 0:
                 opt.exit_backward()
         self.open = True
         if not getattr(engine, "_running_engine_backward", False) and self.read_scale() != 1.0:
@@ -314,9 +288,15 @@ class _EngineAdapter:
 _SHADOWED = ("backward", "scale", "_backward_epilogue")  # what an adapter puts on its engine instance
 
 
-def _is_zero_optimizer(opt: Any) -> bool:
-    zero_type = getattr(sys.modules.get("deepspeed.runtime.base_optimizer"), "ZeROOptimizer", None)
-    return zero_type is not None and isinstance(opt, zero_type)
+def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:
+    """Run ``fn`` once, right after ``engine``'s next backward epilogue (where
+    DeepSpeed reduces at an accumulation boundary); False when the engine is
+    not attached (nothing is scheduled)."""
+    adapter = _attached.get(id(engine))
+    if adapter is None:
+        return False
+    adapter.after_epilogue.append(fn)
+    return True
 
 
 def attach(engine: Any) -> Callable[[], None]:

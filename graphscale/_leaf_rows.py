@@ -1,7 +1,7 @@
 """One audited backward, leaf by leaf: the leaves it reaches (by the audit's
-own walk, not the planner's) and each leaf's row: its ``.grad`` change beside
-the factor it must have times its plain gradient (NOTE [ Audit reference ]
-in _audit.py)."""
+own walk, not the planner's), the gradient the backward hands each
+(:class:`Capture`), and each leaf's row: that gradient beside the factor it
+must have times its plain gradient (NOTE [ Audit reference ] in _audit.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,12 +10,11 @@ from typing import Any
 
 import torch
 
-from ._errors import GraphscaleError
 from ._group import Group
 from ._snapshot import State
 from ._walk import root_node
 
-__all__ = ["UNOWNED", "Row", "rows_of", "err", "reached_leaves"]
+__all__ = ["UNOWNED", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
 
 UNOWNED = "(unowned)"
 
@@ -44,50 +43,87 @@ def reached_leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
     return out
 
 
+class Capture:
+    """While the block runs, the gradient each of ``leaves`` is handed (summed
+    over the graph tasks that reach it: a nested backward's too), read by a
+    tensor hook that changes nothing: what arrives at the leaf, before it is
+    accumulated into ``.grad`` and before any hook on the leaf's accumulation
+    (ZeRO's reduction, FSDP2's reduce-scatter) moves it.  ``grads[i]`` is None
+    for a leaf the backward did not reach.  Every hook is removed on exit."""
+
+    def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
+        self.leaves = leaves
+        self.grads: list[torch.Tensor | None] = [None] * len(leaves)
+        self.handles: list[Any] = []
+
+    def _hook(self, i: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            got = grad.detach().clone()
+            prev = self.grads[i]
+            self.grads[i] = got if prev is None else prev + got
+
+        return hook
+
+    def __enter__(self) -> Capture:
+        try:
+            for i, p in enumerate(self.leaves):
+                self.handles.append(p.register_hook(self._hook(i)))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def dtype_rtol(dtype: torch.dtype) -> float:
+    """The relative tolerance a leaf of ``dtype`` needs at least: the reference
+    and the backward round differently where the backward multiplies (a few
+    units of the dtype's epsilon); 0 for float32 and float64, where the
+    audit's own ``rtol`` applies alone."""
+    if not dtype.is_floating_point or dtype in (torch.float32, torch.float64):
+        return 0.0
+    return 4 * torch.finfo(dtype).eps
+
+
 @dataclass
 class Row:
-    """One leaf of one audited backward: its group and name, its ``.grad``
-    change, its plain gradient, the rounding slack of the ``.grad`` it
-    accumulated into, and the factor it must have (None until chosen)."""
+    """One leaf of one audited backward: its group and name, the gradient the
+    backward handed it, its plain gradient, the relative tolerance its dtype
+    needs (:func:`dtype_rtol`), the factor it must have (None until chosen),
+    and whether it is float16 (whose backward may overflow)."""
 
     group: str
     name: str
     delta: torch.Tensor
     plain: torch.Tensor
-    slack: float
+    rtol: float
     factor: Any
+    fp16: bool = False
 
 
 def _row(state: State, factors: dict[Group, float], p: torch.Tensor, g: torch.Tensor | None,
-         b: torch.Tensor | None) -> Row:
+         got: torch.Tensor | None) -> Row:
     owner = state.owner.get(id(p))
     name = state.leaf_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
-    gg = torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
-    after = p.grad
-    if after is None:
-        if g is not None and bool(gg.any()):
-            raise GraphscaleError(
-                f"graphscale.audit: parameter {name!r} (group {owner.name if owner else UNOWNED!r}) "
-                "has no .grad after backward although its plain gradient is nonzero: something moved "
-                "it (DeepSpeed ZeRO reduction, a bf16 optimizer's hooks). audit supports plain groups "
-                "and DeepSpeed engines at ZeRO stage 0 and 1 in fp32."
-            )
-        delta = torch.zeros_like(gg)
-    else:
-        delta = after.detach().double() - (0.0 if b is None else b.double())
-    slack = 0.0
-    if b is not None and b.numel() and b.is_floating_point():
-        slack = 4 * torch.finfo(b.dtype).eps * float(b.abs().max())
-    return Row(owner.name if owner else UNOWNED, name, delta, gg, slack, factors[owner] if owner else None)
+    # (the gradients' shape: a ZeRO-3 parameter's own tensor is empty outside its module's forward)
+    shape = g.shape if g is not None else got.shape if got is not None else p.shape
+    gg = torch.zeros(shape, dtype=torch.float64) if g is None else g.detach().double()
+    delta = torch.zeros_like(gg) if got is None else got.double().reshape(shape)
+    return Row(owner.name if owner else UNOWNED, name, delta, gg, dtype_rtol(p.dtype),
+               factors[owner] if owner else None, p.dtype == torch.float16)
 
 
 def rows_of(state: State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
-          ref: Sequence[torch.Tensor | None], before: Sequence[torch.Tensor | None]) -> list[Row]:
+            ref: Sequence[torch.Tensor | None], got: Sequence[torch.Tensor | None]) -> list[Row]:
     """Every leaf's row, each with the factor it must have.  NOTE [ Unowned
     leaves ]: a backward that reaches no owned leaf is plain PyTorch;
     otherwise the policy's protected unowned leaves get exactly g, the others
     all one factor in play (the one that explains them best)."""
-    rows = [_row(state, factors, p, g, b) for p, g, b in zip(leaves, ref, before)]
+    rows = [_row(state, factors, p, g, d) for p, g, d in zip(leaves, ref, got)]
     if all(r.factor is None for r in rows):
         for r in rows:
             r.factor = 1.0
@@ -98,12 +134,13 @@ def rows_of(state: State, factors: dict[Group, float], leaves: Sequence[torch.Te
     best = 1.0
     if free:
         cands = sorted({1.0, *factors.values()}, reverse=True)
-        best = min(cands, key=lambda c: max(err(r.delta, c * r.plain, r.slack) for r in free))
+        best = min(cands, key=lambda c: max(err(r.delta, c * r.plain) for r in free))
     for r, prot in zip(rows, protected):
         if r.factor is None:
             r.factor = 1.0 if prot else best
     return rows
 
 
-def err(delta: torch.Tensor, want: torch.Tensor, slack: float) -> float:
-    return float((delta - want).abs().max()) - slack if delta.numel() else 0.0
+def err(delta: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute difference (0 for an empty leaf)."""
+    return float((delta - want).abs().max()) if delta.numel() else 0.0

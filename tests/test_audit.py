@@ -193,14 +193,18 @@ def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
 
 @pytest.mark.deepspeed
 @require_deepspeed
-def test_audit_refuses_zero_stage_2_before_touching_anything(make_engine: Callable[..., Any]) -> None:
+def test_audit_refuses_zero_stage_3_before_touching_anything(make_engine: Callable[..., Any]) -> None:
+    from deepspeed.utils import safe_get_full_grad
+
     net = Net()
-    engine = make_engine(net, gas=2, stage=2)
+    engine = make_engine(net, gas=2, stage=3)
+    engine.set_gradient_accumulation_boundary(True)
     with graphscale.install(engine), graphscale.audit():
-        refused = r"^graphscale.audit: group .* ZeRO stage 2.*stage 0 and 1"
+        refused = r"^graphscale.audit: group .* ZeRO stage 3, where a graph can be backpropagated only once.*stage 2"
         with pytest.raises(graphscale.GraphscaleError, match=refused):
             engine.backward(engine(torch.randn(2, 3)).sum())
-    assert all(p.grad is None for p in net.parameters())
+    grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+    assert all(g is None or not bool(g.any()) for g in grads)
 
 
 @pytest.mark.deepspeed

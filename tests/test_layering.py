@@ -28,19 +28,21 @@ LAYERS: list[tuple[str, ...]] = [
     ("_planning",),
     ("_backward",),
     ("_install", "_explained", "_leaf_rows", "observe"),
+    ("_audit_windows",),
     ("_explain", "_audit"),
     ("_demo",),
     # the adapters: above everything they plug into
-    ("_deepspeed_checks", "_fsdp"),
+    ("_deepspeed_reads", "_fsdp"),
+    ("_deepspeed_checks",),
     ("_deepspeed_engine",),
     ("_deepspeed",),
     ("__init__",),
     ("__main__",),
 ]
-ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_checks", "_fsdp"}
+ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_checks", "_deepspeed_reads", "_fsdp"}
 CORE_AND_TOOLS = {"_group", "_snapshot", "_running", "_request", "_hints", "_call", "_pyplan", "_planning",
                   "_backward", "_plan", "_walk", "_install", "_explain", "_explained", "_audit", "_demo",
-                  "_table", "_observe", "_leaf_rows"}
+                  "_table", "_observe", "_leaf_rows", "_audit_windows"}
 # The functions that take torch.autograd.backward's own six parameters.
 TORCH_SIGNATURE = {("_backward.py", "governed_backward"), ("_call.py", "of")}
 MAX_MODULE_LINES = 350
