@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _adapters, _running
+from . import _adapters, _call, _running
 from ._audit_windows import Reduced, Windows, rtol_for
 from ._call import BackwardCall
 from ._errors import AuditError, GraphscaleError
@@ -179,9 +179,13 @@ class Audit:
         leaves = reached_leaves(roots, call.inputs_arg)
         if not leaves:
             return run(call)
+        # the plain gradient of the loss as given, without what its seeds carry already (an fp16 loss scale)
+        carried = _call.carries(roots, _running.engine_backward_frame()[1])
+        seeds = _call.scaled_seeds(roots, grads, [1.0 / c for c in carried]) if any(c != 1.0 for c in carried) \
+            else list(grads)
         try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot an output hook obeys ])
             with _running.bound(roots, _running.Binding(Reading(state, {}), reference=True)) as bound_roots:
-                ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=list(grads), retain_graph=True,
+                ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=seeds, retain_graph=True,
                                           allow_unused=True)
         except RuntimeError as exc:
             raise GraphscaleError(

@@ -373,3 +373,25 @@ def test_explain_shows_each_fp16_engines_loss_scale_over_its_gas_and_touches_no_
     got = rig.grads()
     for n in GAS:
         assert fit_ratio(got[n], plain[n]) == pytest.approx(scales[n] / GAS[n], rel=FP16_TOL)
+
+
+@pytest.mark.parametrize("stage", STAGES[1:3])
+@pytest.mark.parametrize("call", CALLS, ids=lambda c: c.replace(":", "_"))
+def test_audit_passes_fp16_engines_with_their_loss_scales_and_catches_a_missing_one(
+        fp16_here: None, call: str, stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = Rig(stage, boundary=None)
+    with graphscale.install(*rig.engines.values()), graphscale.audit() as check:
+        for k in range(4):  # A's boundaries at 2 and 4, B's at 4
+            rig.backward(call, rig.roots("two_engines", k))
+            for e in rig.engines.values():
+                e.step()
+    assert check.ok and check.backwards == 4, str(check)
+    assert sorted(check._windows.checked.values()) == [1, 2], str(check)
+    assert "float16 leaves rtol=0.00390625" in str(check)
+    from graphscale._deepspeed import EngineGroup
+
+    rig = Rig(stage, boundary=None)
+    monkeypatch.setattr(EngineGroup, "pin", lambda self, scaling=True: self.factor() if scaling else 1.0)
+    with graphscale.install(*rig.engines.values()), graphscale.audit() as check:
+        with pytest.raises(graphscale.AuditError, match=r"group 'engine:\w+#[0-9a-f]{4}' parameter"):
+            rig.backward(call, rig.roots("two_engines"))
