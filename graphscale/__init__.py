@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import observe
 from ._audit import Audit, audit
+from ._diagnose import Diagnosis, diagnose
 from ._errors import AuditError, ConfigurationError, GraphscaleError
 from ._explain import ExplainedPlan, explain
 from ._group import Group
@@ -23,7 +24,7 @@ from ._install import Installation, install
 
 __all__ = [
     "Group", "install", "Installation", "GraphscaleError", "ConfigurationError",
-    "explain", "ExplainedPlan", "audit", "Audit", "AuditError", "observe",
+    "explain", "ExplainedPlan", "audit", "Audit", "AuditError", "diagnose", "Diagnosis", "observe",
 ]
 __version__ = "0.1.0"
 

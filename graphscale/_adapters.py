@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
-    "Adapter", "register", "registered", "group_type", "attach", "backward_leaves", "hook_owner",
+    "Adapter", "register", "registered", "group_type", "attach", "observe", "backward_leaves", "hook_owner",
     "output_hooked", "audit_refusal", "audit_scale", "audit_window",
 ]
 
@@ -52,6 +52,12 @@ class Adapter:
         """Govern ``group``'s framework object at install, before anything
         else is touched (may raise to refuse it); return the function that
         undoes this once, or None: nothing to attach."""
+        return None
+
+    def observe(self, group: Any) -> Callable[[], None] | None:
+        """Watch ``group``'s framework object without governing it
+        (``graphscale.diagnose``: the framework's own scaling must apply);
+        return the function that undoes this once, or None: nothing to do."""
         return None
 
     def backward_leaves(self, group: Any, owns: Callable[[Leaf], bool]) -> tuple[
@@ -136,6 +142,22 @@ def attach(group: Any) -> list[Callable[[], None]]:
     except BaseException:
         for detach in reversed(done):
             detach()
+        raise
+    return done
+
+
+def observe(group: Any) -> list[Callable[[], None]]:
+    """Every adapter's observe of ``group``; the undo functions, in order
+    (the ones done are undone first if one raises)."""
+    done: list[Callable[[], None]] = []
+    try:
+        for a in _adapters:
+            undo = a.observe(group)
+            if undo is not None:
+                done.append(undo)
+    except BaseException:
+        for undo in reversed(done):
+            undo()
         raise
     return done
 

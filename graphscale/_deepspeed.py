@@ -31,7 +31,7 @@ import sys
 from typing import Any, Callable
 
 from . import _adapters
-from ._deepspeed_engine import after_epilogue, attach, is_output_hooked
+from ._deepspeed_engine import after_epilogue, attach, is_output_hooked, observe
 from ._deepspeed_reads import is_engine, scale_reader
 from ._group import UNSET, Group
 
@@ -96,6 +96,9 @@ class _DeepSpeedAdapter(_adapters.Adapter):
 
     def attach(self, group: Any) -> Callable[[], None] | None:
         return attach(group.engine) if isinstance(group, EngineGroup) else None
+
+    def observe(self, group: Any) -> Callable[[], None] | None:
+        return observe(group.engine) if isinstance(group, EngineGroup) else None
 
     def hook_owner(self, group: Any) -> Any:
         return group.engine if isinstance(group, EngineGroup) else None

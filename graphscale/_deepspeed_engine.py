@@ -75,7 +75,7 @@ from ._errors import GraphscaleError
 from ._observe import laps
 from ._running import CARRIES_ATTR, engine_backward, governing_binding, task_binding
 
-__all__ = ["is_output_hooked", "attach", "after_epilogue"]
+__all__ = ["is_output_hooked", "attach", "observe", "after_epilogue"]
 
 _lock = threading.Lock()
 _attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
@@ -231,7 +231,7 @@ class _EngineAdapter:
             timed = laps()
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
             try:
-                with engine_backward(scale_wrt_gas, carries=read_scale()):
+                with engine_backward(scale_wrt_gas, read_scale(), (engine, loss)):
                     if timed:
                         timed("adapter")
                     deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
@@ -297,6 +297,40 @@ def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:
         return False
     adapter.after_epilogue.append(fn)
     return True
+
+
+def observe(engine: Any) -> Callable[[], None]:
+    """Watch ``engine`` without governing it (``graphscale.diagnose``): the
+    hook-manager descriptors on (they hand DeepSpeed's own values to every
+    backward no snapshot governs, and hold the prologue in a reference pass),
+    and ``engine.backward`` shadowed by a wrapper that only says, while it
+    runs, which engine's backward this is and its ``scale_wrt_gas``.  Returns
+    the function that undoes the shadow."""
+    with _lock:
+        if id(engine) in _attached:
+            raise GraphscaleError(
+                "graphscale.diagnose: this engine is installed (graphscale governs it), so DeepSpeed's own "
+                "scaling cannot be seen; use graphscale.audit() inside the installation instead.")
+        check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]
+        if "backward" in engine.__dict__:
+            raise GraphscaleError("graphscale.diagnose: this engine's backward is already replaced on the "
+                                  "instance (another diagnosis, or another tool); diagnose it once.")
+        _redirect_on()
+        cls = type(engine)
+        deepspeeds_backward = cls.backward.__get__(engine, cls)
+
+        def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+            with engine_backward(scale_wrt_gas, 1.0, (engine, loss)):
+                return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+        backward.__doc__ = deepspeeds_backward.__doc__
+        engine.backward = backward
+
+    def undo() -> None:
+        if engine.__dict__.get("backward") is backward:
+            del engine.__dict__["backward"]
+
+    return undo
 
 
 def attach(engine: Any) -> Callable[[], None]:

@@ -23,7 +23,8 @@ from . import _adapters
 from ._snapshot import Reading, State
 
 __all__ = [
-    "engine_backward", "engine_backward_frame", "gas_scaling_enabled", "CARRIES_ATTR", "Binding", "binding_for",
+    "engine_backward", "engine_backward_frame",
+    "engine_backward_caller", "gas_scaling_enabled", "CARRIES_ATTR", "Binding", "binding_for",
     "bound", "task_binding", "task_reading", "governing_binding", "Running", "running_plan", "running",
     "find_enclosing", "enclosing_phi",
 ]
@@ -32,7 +33,7 @@ __all__ = [
 # ---------------------------------------------------------------- engine.backward frames
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.engine_calls: list[tuple[bool, float]] = []  # engine.backward frames, innermost last
+        self.engine_calls: list[tuple[bool, float, Any]] = []  # engine.backward frames, innermost last
 
 
 _local = _Local()
@@ -54,19 +55,26 @@ class _Pushed:
         self.stack.pop()
 
 
-def engine_backward(scaling: bool, carries: float = 1.0) -> AbstractContextManager[None]:
+def engine_backward(scaling: bool, carries: float = 1.0, caller: Any = None) -> AbstractContextManager[None]:
     """Within this block (an adapter's ``engine.backward``), top-level governed
     backwards on this thread apply the factors only if ``scaling``
     (``scale_wrt_gas``), and their seeds already carry ``carries`` (the
     calling engine's fp16 loss scale, applied by DeepSpeed before it calls
-    backward)."""
-    return _Pushed(_local.engine_calls, (scaling, carries))
+    backward); ``caller``: (the engine whose backward this is, the loss it was
+    given), for tools."""
+    return _Pushed(_local.engine_calls, (scaling, carries, caller))
 
 
 def engine_backward_frame() -> tuple[bool, float]:
     """(scaling, carries) of the innermost :func:`engine_backward` on this thread, or (True, 1.0)."""
     stack = _local.engine_calls
-    return stack[-1] if stack else (True, 1.0)
+    return stack[-1][:2] if stack else (True, 1.0)
+
+
+def engine_backward_caller() -> Any:
+    """(engine, loss) of the innermost :func:`engine_backward` on this thread, or None."""
+    stack = _local.engine_calls
+    return stack[-1][2] if stack else None
 
 
 def gas_scaling_enabled() -> bool:
