@@ -31,7 +31,8 @@ import sys
 from typing import Any, Callable
 
 from . import _adapters
-from ._deepspeed_engine import after_epilogue, attach, is_output_hooked, observe
+from ._deepspeed_engine import after_epilogue, attach, observe
+from ._deepspeed_hooks import is_output_hooked
 from ._deepspeed_reads import is_engine, scale_reader
 from ._group import UNSET, Group
 

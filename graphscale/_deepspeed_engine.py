@@ -63,135 +63,22 @@ reads ``sys.modules``, never imports deepspeed.
 """
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Callable
 
 import torch
 
 from ._deepspeed_checks import check_engine
-from ._deepspeed_reads import engine_type, is_zero_optimizer, scale_reader
+from ._deepspeed_hooks import PROLOGUE, SHADOWED, redirect_on
+from ._deepspeed_hooks import attached as _attached
+from ._deepspeed_reads import is_zero_optimizer, scale_reader
 from ._errors import GraphscaleError
 from ._observe import laps
-from ._running import CARRIES_ATTR, engine_backward, governing_binding, task_binding
+from ._running import CARRIES_ATTR, engine_backward
 
-__all__ = ["is_output_hooked", "attach", "observe", "after_epilogue"]
+__all__ = ["attach", "observe", "after_epilogue"]
 
 _lock = threading.Lock()
-_attached: dict[int, _EngineAdapter] = {}  # id(engine) -> adapter, while installed
-
-
-# ---------------------------------------------------------------- the output-hook redirect
-_FN = "preprocess_per_tensor_fn"
-_PROLOGUE = "_backward_prologue_per_tensor"
-
-
-class _Governed:
-    """An engine's per-tensor function as its output hook sees it while the
-    redirect is on: pass the gradient through when the running backward
-    governs the engine, else DeepSpeed's own (NOTE [ DeepSpeed's two
-    generations ])."""
-
-    __slots__ = ("deepspeeds",)
-
-    def __init__(self, deepspeeds: Callable[[Any], Any]) -> None:
-        self.deepspeeds = deepspeeds
-
-    def __call__(self, grad: Any) -> Any:
-        binding = task_binding()  # NOTE [ Which snapshot an output hook obeys ] (in _running.py)
-        if binding is not None and id(self.deepspeeds.__self__) in binding.state.hook_owners:  # type: ignore[attr-defined]
-            return grad  # graphscale places the factor at the engine's leaves
-        return self.deepspeeds(grad)
-
-
-def is_output_hooked(tensor: torch.Tensor) -> bool:
-    """Whether one of DeepSpeed's output hooks sits on ``tensor`` itself."""
-    hooks = tensor._backward_hooks
-    return hooks is not None and any(getattr(h, "__qualname__", "").startswith("OutputBackwardHookManager.")
-                                     for h in hooks.values())
-
-
-def _engine_of(manager: Any) -> Any:
-    """The engine whose forward made hook ``manager`` (its per-tensor function
-    is the engine's bound ``_backward_prologue_per_tensor``), or None."""
-    fn = manager.__dict__.get(_FN)
-    engine = getattr(fn, "__self__", None)
-    return engine if getattr(fn, "__name__", None) == _PROLOGUE and isinstance(engine, engine_type()) else None
-
-
-class _PerTensorRedirect:
-    """The data descriptor of NOTE [ DeepSpeed's two generations ] on
-    OutputBackwardHookManager: an engine's per-tensor function reads as
-    :class:`_Governed`; anything else as it was set."""
-
-    def __get__(self, manager: Any, owner: type | None = None) -> Any:
-        if manager is None:
-            return self
-        fn = manager.__dict__.get(_FN)
-        return fn if _engine_of(manager) is None else _Governed(fn)
-
-    def __set__(self, manager: Any, value: Any) -> None:
-        manager.__dict__[_FN] = value
-
-
-_DONE = "preprocess_done"
-
-
-class _PrologueOncePerBackward:
-    """The data descriptor of NOTE [ One lifecycle per backward ] on
-    OutputBackwardHookManager's ``preprocess_done``: inside a backward that
-    governs the manager's engine, whether that engine's prologue ran in this
-    backward (always, in a reference pass); elsewhere the manager's own flag."""
-
-    def __get__(self, manager: Any, owner: type | None = None) -> Any:
-        if manager is None:
-            return self
-        engine = _engine_of(manager)
-        binding = None if engine is None else governing_binding(engine)
-        if binding is None:
-            return manager.__dict__.get(_DONE, False)
-        return binding.reference or id(engine) in binding.once
-
-    def __set__(self, manager: Any, value: Any) -> None:
-        manager.__dict__[_DONE] = value
-        engine = _engine_of(manager) if value else None
-        binding = None if engine is None else governing_binding(engine)
-        if binding is None or binding.reference or id(engine) in binding.once:
-            return
-        binding.once.add(id(engine))  # the manager runs the engine's prologue next
-        adapter = _attached.get(id(engine))
-        if adapter is not None:
-            adapter.prologue_starts()
-
-
-_REDIRECT = _PerTensorRedirect()
-_ONCE = _PrologueOncePerBackward()
-_DESCRIPTORS = {_FN: _REDIRECT, _DONE: _ONCE}
-
-
-def _redirect_on() -> None:
-    """Put the redirect and the prologue's once-per-backward flag on
-    DeepSpeed's hook-manager class (idempotent).  They stay: a backward
-    running when the last engine is removed still needs them, and for engines
-    no backward governs they hand DeepSpeed's own values through."""
-    utils = sys.modules.get("deepspeed.runtime.utils")
-    cls = getattr(utils, "OutputBackwardHookManager", None)
-    if cls is None:
-        raise GraphscaleError(
-            "graphscale: this DeepSpeed has no deepspeed.runtime.utils.OutputBackwardHookManager, through which "
-            "graphscale switches the engines' own GAS division off; graphscale knows DeepSpeed 0.19.x. "
-            "No engine was installed."
-        )
-    for name, descriptor in _DESCRIPTORS.items():
-        present = cls.__dict__.get(name)
-        if present is not None and present is not descriptor:
-            raise GraphscaleError(
-                f"graphscale: DeepSpeed's {cls.__name__}.{name} is already defined on the class (by another tool, "
-                "or a DeepSpeed version graphscale does not know); graphscale cannot govern engines safely here. "
-                "No engine was installed."
-            )
-    for name, descriptor in _DESCRIPTORS.items():
-        setattr(cls, name, descriptor)
 
 
 class _EngineAdapter:
@@ -207,7 +94,7 @@ class _EngineAdapter:
         deepspeeds_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
         self.read_scale = read_scale = scale_reader(engine)
         sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
-        if any(n in engine.__dict__ for n in (_PROLOGUE, *_SHADOWED)):
+        if any(n in engine.__dict__ for n in (PROLOGUE, *SHADOWED)):
             raise GraphscaleError(
                 "graphscale: this engine's backward, scale, _backward_epilogue or _backward_prologue_per_tensor "
                 "is already replaced on the instance (by another tool?); graphscale cannot govern it safely."
@@ -281,11 +168,8 @@ class _EngineAdapter:
 
     def disable(self) -> None:
         self.active = False
-        for name in _SHADOWED:
+        for name in SHADOWED:
             self.engine.__dict__.pop(name, None)
-
-
-_SHADOWED = ("backward", "scale", "_backward_epilogue")  # what an adapter puts on its engine instance
 
 
 def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:
@@ -315,7 +199,7 @@ def observe(engine: Any) -> Callable[[], None]:
         if "backward" in engine.__dict__:
             raise GraphscaleError("graphscale.diagnose: this engine's backward is already replaced on the "
                                   "instance (another diagnosis, or another tool); diagnose it once.")
-        _redirect_on()
+        redirect_on()
         cls = type(engine)
         deepspeeds_backward = cls.backward.__get__(engine, cls)
 
@@ -339,7 +223,7 @@ def attach(engine: Any) -> Callable[[], None]:
         adapter = _attached.get(id(engine))
         if adapter is None:
             check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]: before anything is touched
-            _redirect_on()
+            redirect_on()
             adapter = _EngineAdapter(engine)
             _attached[id(engine)] = adapter
             adapter.enable()

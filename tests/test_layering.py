@@ -33,13 +33,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("_demo",),
     # the adapters: above everything they plug into
     ("_deepspeed_reads", "_fsdp"),
-    ("_deepspeed_checks",),
+    ("_deepspeed_checks", "_deepspeed_hooks"),
     ("_deepspeed_engine",),
     ("_deepspeed",),
     ("__init__",),
     ("__main__",),
 ]
-ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_checks", "_deepspeed_reads", "_fsdp"}
+ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_hooks", "_deepspeed_checks", "_deepspeed_reads", "_fsdp"}
 CORE_AND_TOOLS = {"_group", "_snapshot", "_running", "_request", "_hints", "_call", "_pyplan", "_planning",
                   "_backward", "_plan", "_walk", "_install", "_explain", "_explained", "_audit", "_demo",
                   "_table", "_observe", "_leaf_rows", "_audit_windows", "_diagnose"}

@@ -46,7 +46,7 @@ from conftest import TanhMLP as Net
 from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-from graphscale import _deepspeed_engine, _running, _snapshot
+from graphscale import _deepspeed_hooks, _running, _snapshot
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -194,13 +194,13 @@ def caller_thread_local_hidden(roots: Sequence[torch.Tensor], monkeypatch: pytes
                 on_reach()
         return grad
 
-    asked = _deepspeed_engine.task_binding  # whatever is there (a mutation, or the real one)
+    asked = _deepspeed_hooks.task_binding  # whatever is there (a mutation, or the real one)
 
     def recording_task_binding() -> Any:
         seen.hook_calls.append((False, _running.task_binding() is not None))
         return asked()
 
-    monkeypatch.setattr(_deepspeed_engine, "task_binding", recording_task_binding)
+    monkeypatch.setattr(_deepspeed_hooks, "task_binding", recording_task_binding)
     handles = [r.register_hook(hide) for r in roots]
     try:
         yield seen
@@ -418,7 +418,7 @@ def _installed_now() -> Any:
 
 MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "unbound": lambda mp: mp.setattr(_running, "bound", _binds_nothing),
-    "installed_now": lambda mp: mp.setattr(_deepspeed_engine, "task_binding", _installed_now),
+    "installed_now": lambda mp: mp.setattr(_deepspeed_hooks, "task_binding", _installed_now),
 }
 
 
