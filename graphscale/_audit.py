@@ -168,6 +168,8 @@ class Audit:
         state = current()
         if state is None or call.roots is None or torch._C._current_autograd_node() is not None:
             return run(call)  # nested backwards are checked as part of the outer one
+        if state.pending:  # NOTE [ FSDP2's backward leaves ] in _fsdp.py: made since install
+            state = state.ready()
         roots, grads = call.roots, call.grads
         assert grads is not None  # normalized with the roots
         if any(g is None and isinstance(t, torch.Tensor) and t.numel() != 1 for t, g in zip(roots, grads)):
@@ -290,11 +292,11 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
     ``torch.autograd.grad`` to work on the graph.  The audit is process wide;
     run one at a time, on every rank.
 
-    Supported: :class:`Group` s, and DeepSpeed engines at ZeRO stage 0, 1
-    and 2, fp32, bf16 and fp16, on any number of ranks.  Refused before the
-    backward runs, with the reason: ZeRO stage 3 (a graph can be
-    backpropagated only once there, and the reference is a second pass) and
-    FSDP2 groups.
+    Supported: :class:`Group` s (FSDP2 ones included: read at their unsharded
+    parameters, before the reduce-scatter), and DeepSpeed engines at ZeRO
+    stage 0, 1 and 2, fp32, bf16 and fp16, on any number of ranks.  Refused
+    before the backward runs, with the reason: ZeRO stage 3 (a graph can be
+    backpropagated only once there, and the reference is a second pass).
 
     Example::
 

@@ -100,13 +100,5 @@ class _FSDPAdapter(_adapters.Adapter):
                 leaves.append((leaf, f"{group.param_name(sharded)} (unsharded)"))
         return leaves, pending
 
-    def audit_refusal(self, group: Any) -> str | None:
-        module = group.module if "torch.distributed.fsdp" in sys.modules else None
-        if module is None or next(fsdp_params(module), None) is None:
-            return None
-        return (f"group {group.name!r} is an FSDP2 (fully_shard) model, whose gradients FSDP2 moves out of "
-                ".grad during backward (reduce-scatter), so the audit cannot read them. Audit the same model "
-                "unsharded, on one rank, then switch back.")
-
 
 ADAPTER = _adapters.register(_FSDPAdapter())
