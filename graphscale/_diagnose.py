@@ -170,8 +170,9 @@ class Diagnosis:
 def _cause(group: Group, observed: float, mixed: bool, groups: Sequence[Group], caller: Any) -> str:
     """Which shape of graph gives ``group`` the factor ``observed`` (NOTE [ Diagnosis without graphscale ])."""
     if mixed:
-        return ("paths with different factors meet in this gradient: the loss uses this engine's forward and a "
-                "direct call of its module (engine + engine.module), or one path is divided and another not")
+        return ("paths with different factors meet in this gradient: it reaches the parameters both through "
+                "this engine's output and through a direct call of its module (engine + engine.module), or "
+                "through one engine output on one path and through two on another (nested engines)")
     gas = {g.name: float(v) for g in groups for k, v in [g.read_spec()] if k == "gas"}
     own = gas.get(group.name)
     if math.isclose(observed, 1.0, rel_tol=1e-3):

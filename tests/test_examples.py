@@ -36,6 +36,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "issue_8224.py": ("deepspeed", "transformers"),
     "token_normalized.py": ("transformers",),
     "accelerate_deepspeed.py": ("deepspeed", "accelerate"),
+    "diagnose_actor_critic.py": ("deepspeed", "transformers"),
 }
 
 
