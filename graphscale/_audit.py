@@ -210,17 +210,18 @@ class Audit:
         found: list[Mismatch] = []
         seen_groups: dict[str, tuple[float, float, float, int]] = {}
         for row in rows:
-            want = row.factor * row.plain
-            err = float((row.delta - want).abs().max()) if row.delta.numel() else 0.0
+            want = row.plain * row.factor
+            diff = row.delta - want
+            err = float(diff.abs().max()) if diff.numel() else 0.0
             scale = float(want.abs().max()) if want.numel() else 0.0
             got_sq, want_sq, worst, count = seen_groups.get(row.group, (0.0, 0.0, 0.0, 0))
             rel = err / scale if scale else (0.0 if err == 0 else math.inf)
-            seen_groups[row.group] = (got_sq + float((row.delta * row.delta).sum()),
-                                      want_sq + float((want * want).sum()), max(worst, rel), count + 1)
-            if not bool(torch.isfinite(row.delta).all()) and bool(torch.isfinite(want).all()) and row.fp16:
+            seen_groups[row.group] = (got_sq + float(row.delta.square().sum()), want_sq + float(want.square().sum()),
+                                      max(worst, rel), count + 1)
+            if not math.isfinite(err) and math.isfinite(scale) and row.fp16:
                 continue  # an fp16 engine's overflow: DeepSpeed skips this step
             if err > self.atol + max(self.rtol, row.rtol) * scale:
-                gn = float((row.plain * row.plain).sum())
+                gn = float(row.plain.square().sum())
                 got = float((row.delta * row.plain).sum()) / gn if gn else math.nan
                 found.append(Mismatch(self.backwards, row.group, row.name, tuple(row.delta.shape), row.factor, got,
                                       err))

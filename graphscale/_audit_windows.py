@@ -113,11 +113,16 @@ class Windows:
     def _check(self, n: int, g: Group, w: _Window) -> Callable[[], None]:
         def check() -> None:
             w.pending = False
+            params = g.parameters  # every rank, the same parameters in the same order
+            wants = [w.sums.get(id(p)) for p in params]
+            wants = [torch.zeros(_shape(p), dtype=torch.float64) if t is None else t for p, t in zip(params, wants)]
+            sums: list[torch.Tensor] = wants  # type: ignore[assignment]  # (no None left)
+            flat = w.window.average(torch.cat([t.reshape(-1) for t in sums]))  # one collective for the group
             found: list[Reduced] = []
-            for p in g.parameters:  # every rank, the same parameters in the same order
-                want = w.sums.get(id(p))
-                want = w.window.average(want.clone() if want is not None else torch.zeros(_shape(p),
-                                                                                          dtype=torch.float64))
+            offset = 0
+            for p, t in zip(params, sums):
+                want = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
                 got = w.window.reduced(p)
                 got = torch.zeros_like(want) if got is None else got.detach().double().reshape(want.shape)
                 if not bool(torch.isfinite(got).all()):

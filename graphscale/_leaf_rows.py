@@ -111,8 +111,10 @@ def _row(state: State, factors: dict[Group, float], p: torch.Tensor, g: torch.Te
     name = state.leaf_name(p) if owner is not None else f"leaf {tuple(p.shape)}"
     # (the gradients' shape: a ZeRO-3 parameter's own tensor is empty outside its module's forward)
     shape = g.shape if g is not None else got.shape if got is not None else p.shape
-    gg = torch.zeros(shape, dtype=torch.float64) if g is None else g.detach().double()
-    delta = torch.zeros_like(gg) if got is None else got.double().reshape(shape)
+    # compared in float32 at least: its rounding (~1e-7 relative) is far inside any tolerance used
+    dtype = torch.promote_types(p.dtype, torch.float32) if p.dtype.is_floating_point else torch.float32
+    gg = torch.zeros(shape, dtype=dtype) if g is None else g.detach().to(dtype)
+    delta = torch.zeros_like(gg) if got is None else got.to(dtype).reshape(shape)
     return Row(owner.name if owner else UNOWNED, name, delta, gg, dtype_rtol(p.dtype),
                factors[owner] if owner else None, p.dtype == torch.float16)
 
