@@ -56,10 +56,16 @@ LR = 0.1
 # float32 reference: measured up to 0.069 on two ranks; a wrong factor or a
 # missing reduction here is an error above 0.5.
 # fp16 (CPU, DeepSpeed's capability flag forced as in tests/test_fp16.py): each
-# engine's own dynamic loss scale (A 2**8, B 2**4) rides on its gradients and
+# engine's own dynamic loss scale (A 2**6, B 2**3) rides on its gradients and
 # its optimizer unscales; the reduced gradient is compared times that scale.
-TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 2e-2}
-SCALE_POWER = {"A": 8, "B": 4, "C": 6}
+# (At A 2**8 the forced-boundary backward overflowed fp16 in A's gradient, a
+# NaN the reduced-gradient check could not compare and, before it refused NaN,
+# let pass: the scales are kept apart, and low enough that no step overflows;
+# training through an overflow is tests/test_fp16.py's.)
+# fp16 measured: weight change <= 0.0037, reduced gradient <= 0.028 (engine_twice, all stages and
+# calls, fp16 weights 8 steps away from the float32 reference); a wrong factor is above 0.5.
+TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 5e-2}
+SCALE_POWER = {"A": 6, "B": 3, "C": 5}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WORLD = 2
 
@@ -352,7 +358,7 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
         if inst is not None:
             inst.remove()
     tol = TOL[case.variant]
-    if out["train_err"] > tol or out["grad_err"] > tol:
+    if not (out["train_err"] <= tol and out["grad_err"] <= tol):  # (a NaN is wrong, not exact)
         out["status"] = "wrong"
     return out
 
@@ -477,8 +483,13 @@ def two_rank_results() -> list[dict[str, Any]]:
 # run to run (CI: sum/loss.backward() under graphscale 0.026 weight-change error
 # once, exact in three other runs; checkpointed/loss.backward() with DeepSpeed
 # alone 0.067 once, exact once).  Not traced yet; skipped there, not pinned.
-ZERO3_HOOKS_FLAKY = ("DeepSpeed 0.19.5 ZeRO 3 on two gloo ranks is not reproducible from run to run here "
-                     "(graphscale and DeepSpeed alone alike; not traced): see ZERO3_HOOKS_FLAKY")
+# Traced to DeepSpeed 0.19.5 itself: rerunning sum/loss.backward() at ZeRO 3 on two gloo ranks (a case
+# DeepSpeed alone trains exactly on 0.19.5 otherwise), 3 times per process in 9 processes, DeepSpeed alone
+# gave weight-change error 15.1 once and NaN once, graphscale 0.026-0.14 in the first run of a process
+# (three times); with DeepSpeed's CPU shared-memory collective off too; on 0.19.8 24 runs of each were exact.
+ZERO3_HOOKS_FLAKY = ("DeepSpeed 0.19.5 ZeRO 3 on two gloo ranks is not reproducible from run to run here: "
+                     "DeepSpeed alone gives wrong and NaN weights in some runs of an otherwise exact case "
+                     "(see the comment at ZERO3_HOOKS_FLAKY); 0.19.8 is exact in every run")
 
 
 def _skip_flaky(results: list[dict[str, Any]], case: Case) -> None:
