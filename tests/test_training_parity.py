@@ -485,8 +485,8 @@ def two_rank_results() -> list[dict[str, Any]]:
 # alone 0.067 once, exact once).  Not traced yet; skipped there, not pinned.
 # Traced to DeepSpeed 0.19.5 itself: rerunning sum/loss.backward() at ZeRO 3 on two gloo ranks (a case
 # DeepSpeed alone trains exactly on 0.19.5 otherwise), 3 times per process in 9 processes, DeepSpeed alone
-# gave weight-change error 15.1 once and NaN once, graphscale 0.026-0.14 in the first run of a process
-# (three times); with DeepSpeed's CPU shared-memory collective off too; on 0.19.8 24 runs of each were exact.
+# gave weight-change error 15.1 once and NaN twice in 27 runs, graphscale 0.14 once (the first run of a
+# process); the same with DeepSpeed's CPU shared-memory collective off; on 0.19.8 12 runs of each were exact.
 ZERO3_HOOKS_FLAKY = ("DeepSpeed 0.19.5 ZeRO 3 on two gloo ranks is not reproducible from run to run here: "
                      "DeepSpeed alone gives wrong and NaN weights in some runs of an otherwise exact case "
                      "(see the comment at ZERO3_HOOKS_FLAKY); 0.19.8 is exact in every run")
