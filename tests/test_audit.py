@@ -232,6 +232,28 @@ def test_audited_steps_of_a_zero_1_engine_update_the_weights_as_unaudited_ones(
         assert not torch.equal(p, p0), "the boundary step did not update the weights"
 
 
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_a_window_the_audit_entered_midway_is_reported_not_checked_and_the_next_one_is(
+    make_engine: Callable[..., Any],
+) -> None:
+    torch.manual_seed(0)
+    engine = make_engine(Net(), gas=2, stage=1)
+    x = [torch.randn(2, 3) for _ in range(5)]
+    with graphscale.install(engine):
+        engine.backward(engine(x[0]).sum())  # micro-step 1 of the first window, not audited
+        engine.step()
+        with graphscale.audit() as check:
+            engine.backward(engine(x[1]).sum())  # its boundary: the window began before the audit
+            engine.step()
+            assert "not checked: the audit did not see its window from the start" in str(check)
+            for xb in x[2:4]:  # a whole window
+                engine.backward(engine(xb).sum())
+                engine.step()
+    assert check.ok and list(check._windows.checked.values()) == [1]  # the whole window: checked
+    assert "not checked" not in str(check), str(check)
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
