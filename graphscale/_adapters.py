@@ -130,29 +130,13 @@ def group_type(obj: Any) -> type | None:
     return None
 
 
-def attach(group: Any) -> list[Callable[[], None]]:
-    """Every adapter's attach of ``group``; the detachers, in order.  If one
-    raises, the ones already attached are detached first."""
+def _each_undoable(ask: Callable[[Adapter], Callable[[], None] | None]) -> list[Callable[[], None]]:
+    """``ask(adapter)`` for every adapter; the undo functions it returned, in
+    order.  If one raises, the ones already done are undone first."""
     done: list[Callable[[], None]] = []
     try:
         for a in _adapters:
-            detach = a.attach(group)
-            if detach is not None:
-                done.append(detach)
-    except BaseException:
-        for detach in reversed(done):
-            detach()
-        raise
-    return done
-
-
-def observe(group: Any) -> list[Callable[[], None]]:
-    """Every adapter's observe of ``group``; the undo functions, in order
-    (the ones done are undone first if one raises)."""
-    done: list[Callable[[], None]] = []
-    try:
-        for a in _adapters:
-            undo = a.observe(group)
+            undo = ask(a)
             if undo is not None:
                 done.append(undo)
     except BaseException:
@@ -160,6 +144,18 @@ def observe(group: Any) -> list[Callable[[], None]]:
             undo()
         raise
     return done
+
+
+def attach(group: Any) -> list[Callable[[], None]]:
+    """Every adapter's attach of ``group``; the detachers, in order (the ones
+    attached are detached first if one raises)."""
+    return _each_undoable(lambda a: a.attach(group))
+
+
+def observe(group: Any) -> list[Callable[[], None]]:
+    """Every adapter's observe of ``group``; the undo functions, in order
+    (the ones done are undone first if one raises)."""
+    return _each_undoable(lambda a: a.observe(group))
 
 
 def backward_leaves(groups: Iterable[Any], owns: Callable[[Any, Leaf], bool]) -> tuple[

@@ -38,9 +38,9 @@ from ._audit_windows import Reduced, Windows, rtol_for
 from ._call import BackwardCall
 from ._errors import AuditError, GraphscaleError
 from ._group import Group, spec_reads
-from ._leaf_rows import UNOWNED, Capture, Row, reached_leaves, rows_of
+from ._leaf_rows import UNOWNED, Capture, Row, plain_reference, reached_leaves, rows_of
 from ._observe import observing
-from ._snapshot import Reading, State, current
+from ._snapshot import State, current
 from ._table import format_table
 
 __all__ = ["audit", "Audit", "AuditError", "Mismatch"]
@@ -185,10 +185,10 @@ class Audit:
         carried = _call.carries(roots, _running.engine_backward_frame()[1])
         seeds = _call.scaled_seeds(roots, grads, [1.0 / c for c in carried]) if any(c != 1.0 for c in carried) \
             else list(grads)
+        if seeds is None:
+            return run(call)  # a seed torch cannot make: torch raises its own error
         try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot an output hook obeys ])
-            with _running.bound(roots, _running.Binding(Reading(state, {}), reference=True)) as bound_roots:
-                ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=seeds, retain_graph=True,
-                                          allow_unused=True)
+            ref = plain_reference(state, roots, seeds, leaves)
         except RuntimeError as exc:
             raise GraphscaleError(
                 "graphscale.audit: could not compute the plain reference gradient with torch.autograd.grad "

@@ -34,8 +34,8 @@ from . import _adapters, _running
 from ._call import ORIGINAL_BACKWARD, BackwardCall
 from ._errors import GraphscaleError
 from ._group import Group
-from ._leaf_rows import Capture, dtype_rtol, reached_leaves
-from ._snapshot import Reading, State, current
+from ._leaf_rows import Capture, dtype_rtol, plain_reference, reached_leaves
+from ._snapshot import State, current
 from ._table import format_table
 
 __all__ = ["diagnose", "Diagnosis", "Finding"]
@@ -138,8 +138,7 @@ class Diagnosis:
         leaves = [p for p in reached_leaves(call.roots, call.inputs_arg) if id(p) in state.owner]
         if not leaves or any(g is None and t.numel() != 1 for t, g in zip(roots, grads)):
             return call.run(None)
-        with _running.bound(roots, _running.Binding(Reading(state, {}), reference=True)) as bound_roots:
-            ref = torch.autograd.grad(bound_roots, leaves, grad_outputs=grads, retain_graph=True, allow_unused=True)
+        ref = plain_reference(state, roots, grads, leaves)
         with Capture(leaves) as got:
             call.run(None)
         self.backwards += 1

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
+from . import _running
 from ._group import Group
-from ._snapshot import State
+from ._snapshot import Reading, State
 from ._walk import root_node
 
-__all__ = ["UNOWNED", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
+__all__ = ["UNOWNED", "plain_reference", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
 
 UNOWNED = "(unowned)"
 
@@ -41,6 +42,18 @@ def reached_leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
             continue
         stack.extend(nxt for nxt, _ in node.next_functions)
     return out
+
+
+def plain_reference(state: State, roots: Sequence[Any], seeds: Sequence[Any],
+                    leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The plain gradient of each of ``leaves`` for a backward of ``roots``
+    with ``seeds``, on the same graph (retained), nothing accumulated, the
+    graph task bound as a reference pass (NOTE [ Audit reference ] in
+    _audit.py): output hooks of engines ``state`` names neither divide nor run
+    their prologue."""
+    with _running.bound(roots, _running.Binding(Reading(state, {}), reference=True)) as bound_roots:
+        return torch.autograd.grad(bound_roots, leaves, grad_outputs=list(seeds), retain_graph=True,
+                                   allow_unused=True)
 
 
 class Capture:
