@@ -54,23 +54,19 @@ so no function here takes more than a few parameters.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
-import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 
-from . import _call, _observe, _planning, _running
+from . import _call, _native, _observe, _planning, _route, _running
 from ._call import ORIGINAL_BACKWARD, BackwardCall
-from ._group import Group
 from ._observe import Laps
 from ._pyplan import PyPlan
 from ._snapshot import Reading, State, current
+from ._unreached import warn_unreached_groups
 
 __all__ = ["governed_backward", "patch"]
 
@@ -160,6 +156,9 @@ def _governed_backward(call: BackwardCall) -> None:
     current_node = torch._C._current_autograd_node()
     laps = _observe.laps(nested=current_node is not None)
     if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
+        native = _native.load()
+        if native is not None and _route.usable(call) and _route.nested(native, call, current_node, laps):
+            return None
         return _run_nested(call, current_node, laps)
     state = current()
     if state is None:
@@ -198,7 +197,11 @@ def _run_top_level(call: BackwardCall, state: State, laps: Laps | None) -> None:
         return call.run(None)  # malformed: torch raises its own error
     scaling, default_carries = _running.engine_backward_frame()
     reading = state.read(scaling)  # may raise: nothing touched yet
-    b = _Backward(call, reading, _call.carries(call.roots, default_carries), laps)
+    carries = _call.carries(call.roots, default_carries)
+    native = _native.load()
+    if native is not None and _route.usable(call) and _route.top_level(native, call, reading, carries, laps):
+        return None  # NOTE [ One native call per backward ] in _native/walker.cpp
+    b = _Backward(call, reading, carries, laps)
     b.lap("prepare")
     t0 = time.perf_counter()
     decision = _planning.decide(call.roots, reading, call.inputs, all(c == 1.0 for c in b.carries))
@@ -210,7 +213,7 @@ def _run_top_level(call: BackwardCall, state: State, laps: Laps | None) -> None:
         return _run_fast_path(b, decision.factor, decision.nested)
     plan = decision.plan
     if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
-        _warn_unreached_groups(state, plan)
+        warn_unreached_groups(state, plan)
     return _run_plan(b, plan)
 
 
@@ -299,44 +302,3 @@ def _debug_plan(b: _Backward, plan: Any, multiplications: int) -> None:
         f", nested at base {plan.base:g}" if plan.base != 1.0 else "",
         "python" if isinstance(plan, PyPlan) else "native",
     )
-
-
-# ---------------------------------------------------------------- a group the backward missed
-_warned: weakref.WeakSet[Group] = weakref.WeakSet()
-
-
-def _warn_unreached_groups(state: State, plan: Any) -> None:
-    """A governed backward that reaches unowned nn.Parameters but none of
-    some group's is almost always a wrapper (FSDP, a PEFT or compile wrapper)
-    that swapped the group's parameters; say so, once per group."""
-    reached = set(plan.groups_reached())
-    missing = [g for k, g in enumerate(state.groups) if k not in reached and g not in _warned and g.parameters]
-    if not missing:
-        return
-    _warned.update(missing)
-    params = plan.unowned_parameters()
-    shapes = ", ".join(str(tuple(p.shape)) for p in params[:6]) + (", ..." if len(params) > 6 else "")
-    names = ", ".join(repr(g.name) for g in missing)
-    warnings.warn(
-        f"graphscale: this backward reached none of the parameters of group(s) {names} but reached "
-        f"{len(params)} nn.Parameter(s) that no group owns (shapes {shapes}). A wrapper (FSDP, a PEFT or "
-        "compile wrapper) may have replaced the group's parameters after the Group was made: make the "
-        "Group from the wrapped model, after wrapping. Those parameters got their plain gradient "
-        f"(unowned={state.policy!r}).",
-        stacklevel=_user_stacklevel(),
-    )
-
-
-_SKIP_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` naming the first caller outside graphscale and torch
-    (the user's ``loss.backward()``, ``engine.backward(...)`` or
-    ``torch.autograd.backward(...)`` line), for a warning raised here."""
-    frame = sys._getframe(1)
-    level = 2  # warnings.warn's caller is level 1; this function's caller is that frame
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
-        frame = frame.f_back
-        level += 1
-    return level - 1

@@ -121,11 +121,14 @@ class BackwardCall(NamedTuple):
         obeys ] in _running.py)."""
         if binding is None or self.roots is None:
             if laps:
-                laps.skip()
-            return ORIGINAL_BACKWARD(
+                laps("bind")  # nothing to bind: the lap closes what came before, as below
+            ORIGINAL_BACKWARD(
                 self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
                 grad_variables=self.grad_variables, inputs=self.inputs_arg,
             )
+            if laps:
+                laps.skip()  # torch's time (and a nested backward's own laps) is not this backward's
+            return
         grads = self.grads if seeds is None else seeds
         assert grads is not None  # normalized with the roots
         with _running.bound(self.roots, binding) as roots:

@@ -50,12 +50,23 @@ def is_output_hooked(tensor: torch.Tensor) -> bool:
                                      for h in hooks.values())
 
 
+_SEEN = "_graphscale_engine_of"  # on a manager: (its per-tensor function, the engine it names or None)
+
+
 def _engine_of(manager: Any) -> Any:
     """The engine whose forward made hook ``manager`` (its per-tensor function
-    is the engine's bound ``_backward_prologue_per_tensor``), or None."""
-    fn = manager.__dict__.get(_FN)
+    is the engine's bound ``_backward_prologue_per_tensor``), or None; read
+    once per manager and function (the hooks ask several times a backward)."""
+    d = manager.__dict__
+    fn = d.get(_FN)
+    seen = d.get(_SEEN)
+    if seen is not None and seen[0] is fn:
+        return seen[1]
     engine = getattr(fn, "__self__", None)
-    return engine if getattr(fn, "__name__", None) == PROLOGUE and isinstance(engine, engine_type()) else None
+    if not (getattr(fn, "__name__", None) == PROLOGUE and isinstance(engine, engine_type())):
+        engine = None
+    d[_SEEN] = (fn, engine)
+    return engine
 
 
 class _PerTensorRedirect:

@@ -9,11 +9,20 @@ from typing import Any, Callable
 __all__ = ["engine_type", "is_engine", "is_zero_optimizer", "scale_reader"]
 
 
+_engine_type: type | None = None  # found once: output hooks ask on every backward
+
+
 def engine_type() -> type | tuple[()]:
     """DeepSpeedEngine, or () (no type) while deepspeed is not imported."""
+    global _engine_type
+    if _engine_type is not None:
+        return _engine_type
     ds = sys.modules.get("deepspeed")
-    engine_type = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
-    return engine_type if engine_type is not None else ()
+    found = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
+    if found is None:
+        return ()
+    _engine_type = found
+    return found
 
 
 def is_engine(obj: Any) -> bool:

@@ -12,7 +12,7 @@ import torch
 from ._group import Group
 from ._snapshot import Reading, State
 
-__all__ = ["checkpoint_hint"]
+__all__ = ["checkpoint_hint", "checkpoint_hint_positions"]
 
 # NOTE [ Checkpoint hints ]
 # A reentrant checkpoint (torch's or DeepSpeed's) is one custom-Function node
@@ -78,5 +78,21 @@ def checkpoint_hint(reading: Reading) -> Callable[[Any], float | None]:
     def hint(node: Any) -> float | None:
         g = _hint_group(state, getattr(node, "run_function", None))
         return None if g is None else factors.get(g)
+
+    return hint
+
+
+def checkpoint_hint_positions(state: State) -> Callable[[Any], int | None]:
+    """NOTE [ Checkpoint hints ] for the native route, once per snapshot:
+    ``hint(node)`` is the position in ``state.groups`` of the group whose
+    factor a custom-Function node is pinned to, or None (the native side
+    reads the factor of that position from the backward's own reading)."""
+    positions = {g: k for k, g in enumerate(state.groups)}
+    ref = weakref.ref(state)  # kept in the snapshot's own tables: no cycle through native objects
+
+    def hint(node: Any) -> int | None:
+        s = ref()
+        g = None if s is None else _hint_group(s, getattr(node, "run_function", None))
+        return None if g is None else positions.get(g)
 
     return hint

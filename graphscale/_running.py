@@ -132,13 +132,14 @@ class Binding:
     backward ].  Made on the thread that calls the backward: a nested
     backward's binding joins the one of the task running there."""
 
-    __slots__ = ("reading", "potential", "once", "reference")
+    __slots__ = ("reading", "potential", "once", "reference", "native")
 
     def __init__(self, reading: Reading, potential: float | None = None, reference: bool = False) -> None:
         self.reading, self.potential = reading, potential
         enclosing = task_binding()
         self.once: set[Any] = set() if enclosing is None else enclosing.once
         self.reference: bool = reference or (enclosing is not None and enclosing.reference)
+        self.native: Any = None  # the native route's reading of it (NOTE [ One native call per backward ])
 
     @property
     def state(self) -> State:

@@ -112,13 +112,16 @@ class Tables:
 
     ``hints``: id(module) -> (weak reference to it, the one group owning its
     parameters or None), for checkpoint hints.  ``native_owners``: (the native
-    extension, its ``Owners`` table of this snapshot) once built."""
+    extension, its ``Owners`` table of this snapshot) once built;
+    ``native_governor``: (the native extension, its ``Governor`` of this
+    snapshot) once the native route made it (_route.py)."""
 
-    __slots__ = ("hints", "native_owners")
+    __slots__ = ("hints", "native_owners", "native_governor")
 
     def __init__(self) -> None:
         self.hints: dict[int, tuple[Any, Group | None]] = {}
         self.native_owners: tuple[Any, Any] | None = None
+        self.native_governor: tuple[Any, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,15 @@ def _native_walker_ready() -> None:
         _native.wait()
 
 
+@pytest.fixture
+def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backward of the test takes the Python route (``graphscale/_route.py``):
+    for tests that spy on or break that route's own functions."""
+    from graphscale import _route
+
+    monkeypatch.setattr(_route, "enabled", False)
+
+
 @pytest.fixture(autouse=True)
 def _no_installation_leaks() -> Any:
     """Every test must leave torch exactly as it found it."""
@@ -209,7 +218,7 @@ class _SpyHandle(torch.utils.hooks.RemovableHandle):
 @contextmanager
 def spy_handles() -> Iterator[list[Any]]:
     """Every RemovableHandle made while inside (Node and tensor register_hook make one)."""
-    made: list[Any] = []
+    made = HookSpy()
     original = torch.utils.hooks.RemovableHandle
     torch.utils.hooks.RemovableHandle = _SpyHandle  # type: ignore[misc]
     _spied.append(made)
@@ -218,12 +227,41 @@ def spy_handles() -> Iterator[list[Any]]:
     finally:
         _spied.pop()
         torch.utils.hooks.RemovableHandle = original  # type: ignore[misc]
+        made.native_made = _native_tally()[0] - made.native_start[0]
+
+
+class HookSpy(list):  # type: ignore[type-arg]
+    """The RemovableHandles made inside :func:`spy_handles` (the Python
+    route's hooks), plus the native route's hooks counted by the native
+    module: ``len()`` is every hook made, of both routes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native_start = _native_tally()
+        self.native_made = 0  # edge-multiplier hooks the native route made (binding hooks not counted)
+
+    def __len__(self) -> int:
+        return super().__len__() + self.native_made
+
+    def native_left(self) -> int:
+        """Native hooks (edge multipliers and bindings) still alive."""
+        now = _native_tally()
+        return (now[1] - self.native_start[1]) + (now[3] - self.native_start[3])
+
+
+def _native_tally() -> tuple[int, int, int, int]:
+    from graphscale import _native
+
+    native = _native.loaded()
+    return tuple(native.hook_tally())[:4] if native is not None else (0, 0, 0, 0)  # type: ignore[return-value]
 
 
 def graphscale_hooks_left(handles: list[Any]) -> list[str]:
     """Of ``handles``, those still registered whose hook is graphscale's."""
     left = []
-    for h in handles:
+    if isinstance(handles, HookSpy) and handles.native_left():
+        left.append(f"{handles.native_left()} native hook(s)")
+    for h in list.__iter__(handles):
         d = h.hooks_dict_ref()
         fn = d.get(h.id) if d is not None else None
         if fn is not None and getattr(fn, "__module__", "").startswith("graphscale"):

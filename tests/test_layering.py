@@ -24,8 +24,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("_native", "_plan", "_group"),
     ("_snapshot",),
     ("_running", "_request", "_hints"),
-    ("_call", "_pyplan"),
+    ("_call", "_pyplan", "_unreached"),
     ("_planning",),
+    ("_route",),
     ("_backward",),
     ("_install", "_explained", "_leaf_rows", "observe"),
     ("_audit_windows",),
@@ -42,7 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
 ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_hooks", "_deepspeed_checks", "_deepspeed_reads", "_fsdp"}
 CORE_AND_TOOLS = {"_group", "_snapshot", "_running", "_request", "_hints", "_call", "_pyplan", "_planning",
                   "_backward", "_plan", "_walk", "_install", "_explain", "_explained", "_audit", "_demo",
-                  "_table", "_observe", "_leaf_rows", "_audit_windows", "_diagnose"}
+                  "_table", "_observe", "_leaf_rows", "_audit_windows", "_diagnose", "_route", "_unreached"}
 # The functions that take torch.autograd.backward's own six parameters.
 TORCH_SIGNATURE = {("_backward.py", "governed_backward"), ("_call.py", "of"), ("_diagnose.py", "_backward")}
 MAX_MODULE_LINES = 350

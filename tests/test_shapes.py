@@ -414,7 +414,7 @@ def test_callable_gas_is_read_at_every_backward(unowned: str) -> None:
 
 # ---------------------------------------------------------------- factor 1 is free
 @pytest.mark.parametrize("unowned", ["any", "plain"])
-def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.MonkeyPatch, python_route: None) -> None:
     """All groups at gas 1: no walk, no seed multiplication, no node hook, and
     nested backwards (checkpoint, custom Function) pass straight through."""
     calls: list[str] = []
@@ -509,7 +509,7 @@ def test_walk_visits_each_node_once_and_multiplies_once_per_group_boundary(
     assert plan.multiplications == multiplications
 
 
-def test_group_and_its_submodule_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_group_and_its_submodule_take_the_fast_path(monkeypatch: pytest.MonkeyPatch, python_route: None) -> None:
     """``g(x) + g.sub(y)`` with one group: no walk, one multiplication (the seed)."""
     walked: list[Any] = []
     seed_mults: list[float] = []

@@ -20,8 +20,9 @@ Each scenario must fail when what it pins is broken; :data:`SCENARIOS` says
 which mutation breaks which scenario, and
 ``test_each_scenario_fails_under_the_mutations_it_guards_against`` runs them:
 
-* ``unbound``: :func:`graphscale._running.bound` binds nothing (the task lookup
-  always misses): the hook sees an ungoverned backward.
+* ``unbound``: :func:`graphscale._running.bound` (the Python route) and the
+  native route bind nothing (the task lookup always misses): the hook sees an
+  ungoverned backward.
 * ``installed_now``: the hook asks "is the engine installed now?", the only
   thread-independent answer left without the binding (what issue 12 says
   graphscale did on CUDA's threads before the binding).
@@ -46,7 +47,7 @@ from conftest import TanhMLP as Net
 from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-from graphscale import _deepspeed_hooks, _running, _snapshot
+from graphscale import _deepspeed_hooks, _route, _running, _snapshot
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -417,7 +418,7 @@ def _installed_now() -> Any:
 
 
 MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "unbound": lambda mp: mp.setattr(_running, "bound", _binds_nothing),
+    "unbound": lambda mp: (mp.setattr(_running, "bound", _binds_nothing), mp.setattr(_route, "bind", False)),
     "installed_now": lambda mp: mp.setattr(_deepspeed_hooks, "task_binding", _installed_now),
 }
 

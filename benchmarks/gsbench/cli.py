@@ -76,6 +76,11 @@ def run_fixed_costs(sizes: list[Any], quick: bool, device: str) -> dict[str, Any
     print("\ngraphscale's fixed cost per walked backward (median over "
           f"{out['breakdown'][0]['rounds']} interleaved rounds; {out['breakdown'][0]['source']}):")
     print(report.breakdown_table(out))
+    if out.get("tiny"):
+        rounds = next(iter(out["tiny"].values()))["rounds"]
+        print(f"\ngraphscale's fixed cost per governed backward, walk negligible (median over {rounds} "
+              "interleaved rounds of blocks with and without it):")
+        print(report.tiny_table(out))
     print(f"\ninstall({out['install_engines']}) + remove(), median ms:")
     print(report.install_table(out))
     return out

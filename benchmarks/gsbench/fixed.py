@@ -147,8 +147,9 @@ def install_costs(engines: tuple[Any, ...], reps: int) -> list[dict[str, Any]]:
 
 def fixed_costs(sizes: list[Size], quick: bool, device: str) -> dict[str, Any]:
     """The sections after the table: NOTE [ Per-backward breakdown ] on the
-    small HF pair (and a near-free graph), then install() cost vs heap size."""
-    out: dict[str, Any] = {"breakdown": [], "install": []}
+    small HF pair (and a near-free graph), NOTE [ Tiny fixed cost ] (tiny.py),
+    then install() cost vs heap size."""
+    out: dict[str, Any] = {"breakdown": [], "install": [], "tiny": {}}
     launch = next((s for s in sizes if s.label == "launch"), Size(32, 2, 8 if quick else 16, "launch"))
     rounds = 61 if quick else 401
     tiny = tiny_pair(device)
@@ -162,6 +163,9 @@ def fixed_costs(sizes: list[Size], quick: bool, device: str) -> dict[str, Any]:
         out["breakdown"].append(measure_breakdown("near-free: 2 x Linear(8, 8)", tiny, rounds, device))
     finally:
         gc.unfreeze()
+    from .tiny import tiny_fixed_costs
+
+    out["tiny"] = tiny_fixed_costs(15 if quick else 101, device)
     out["install"] = install_costs((pair or tiny).engines, 3 if quick else 7)
     out["install_engines"] = "HF1 pair (launch)" if pair is not None else "2 x Linear(8, 8)"
     out["breakdown"] = [vars(b) for b in out["breakdown"]]

@@ -87,6 +87,14 @@ def breakdown_table(fixed: dict[str, Any]) -> str:
     return render(head, rows)
 
 
+def tiny_table(fixed: dict[str, Any]) -> str:
+    """NOTE [ Tiny fixed cost ]: one line per way of calling backward."""
+    rows = [(name, f"{t['deepspeed_us']:.0f}", f"{t['added_us']:.1f} +-{t['notch_us']:.1f}", f"{t['target_us']:.0f}",
+             "met" if t["added_us"] <= t["target_us"] else "NOT MET") for name, t in fixed["tiny"].items()]
+    return render(("backward (2 engines x Linear(8, 8), ZeRO-1)", "DS bwd us", "graphscale adds us", "target us",
+                   ""), rows)
+
+
 def install_table(fixed: dict[str, Any]) -> str:
     rows = [(i["heap"], f"{i['live_objects'] / 1e6:.2f}M", f"{i['install_ms']:.1f}", f"{i['remove_ms']:.1f}",
              f"{i['total_ms']:.1f}") for i in fixed["install"]]

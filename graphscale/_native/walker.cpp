@@ -15,6 +15,8 @@
 
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
@@ -22,8 +24,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <typeinfo>
 #include <vector>
@@ -235,6 +240,8 @@ struct NativePlan {
   std::vector<double> factors;
   int policy = kAny;
   py::object hint;
+  bool hint_positions = false;
+  py::object governor = py::none();  // the Governor of a natively governed backward (None: planned for Python)
   // What the backward reached: owned leaves, and per group position whether
   // any of its leaves; unowned nn.Parameter leaves (counted where the policy
   // or a nested backward asks; their discovery positions).
@@ -298,6 +305,7 @@ struct Request {
   const std::vector<const NativePlan*>* outer_plans = nullptr;
   py::object outer_phi;
   py::object hint;                       // None, or a callable: custom Function node -> pin or None
+  bool hint_positions = false;           // the hint answers a group position (or None), not a pin
 
   bool has_outer() const { return outer_plans != nullptr || !outer_phi.is_none(); }
 
@@ -365,6 +373,7 @@ class Planner {
     P.policy = R.policy;
     P.reached.assign(R.factors.size(), 0);
     P.hint = R.hint;
+    P.hint_positions = R.hint_positions;
     P.base = R.base;
     Clock clock(P.phase_ns);
     discover(root_nodes, index_guess);
@@ -505,7 +514,7 @@ class Planner {
         py::object v = R.hint(py_of(found[o]));
         if (!v.is_none()) {
           pin_kind[o] = 2;
-          put(o, v.cast<double>());
+          put(o, R.hint_positions ? R.factors.at(v.cast<int64_t>()) : v.cast<double>());
         }
       }
     }
@@ -825,6 +834,7 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
     req.outer_plans = &outer_plans;
     req.outer_phi = py::none();
     req.hint = op->hint;
+    req.hint_positions = op->hint_positions;
     NativePlan P = plan_core(roots, root_nodes, req);
     P.leaf_roots = std::move(leaf_roots);
     return py::make_tuple(static_cast<int64_t>(m - 1 - q), py::cast(std::move(P)));
@@ -842,14 +852,11 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
 // node was seen (it may run a nested backward over leaves no walk can see:
 // reentrant checkpointing; the backward then binds its task so that such a
 // nested backward is planned, NOTE [ Fast path ]).
-static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::handle param_type) {
-  const Owners& owners = owners_obj.cast<const Owners&>();
+static int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owners, int policy,
+                       py::handle param_type) {
   static thread_local NodeIndex index;
   static thread_local std::vector<Node*> found;
   static thread_local size_t last = 0;
-  std::vector<Node*> root_nodes;
-  std::vector<NodePtr> leaf_roots;
-  if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
   index.reserve(last);
   found.clear();
   seed_roots(root_nodes, &index, &found);
@@ -892,6 +899,552 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
   return result | (hidden ? 4 : 0);
 }
 
+static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::handle param_type) {
+  const Owners& owners = owners_obj.cast<const Owners&>();
+  std::vector<Node*> root_nodes;
+  std::vector<NodePtr> leaf_roots;
+  if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
+  return probe_nodes(root_nodes, owners, policy, param_type);
+}
+
+// ===================================================================== the governed backward, natively
+//
+// NOTE [ One native call per backward ]
+// graphscale/_backward.py reads the call and the factors (Python: GAS may be
+// a callable, an engine's attribute) and hands the rest to one call here:
+// Governor.top for a top-level backward, govern_nested for one called from
+// inside a node's backward (NOTE [ Nested backward ] there).  That call
+// decides (left alone, the fast path, a plan: graphscale/_planning.py
+// decide), walks and plans, scales the seeds, puts each edge multiplier on
+// its node as a C++ FunctionPostHook (ScaleHook: no Python when it fires),
+// binds the graph task (BindHook, first of the roots' tensor pre-hooks, so
+// before any output hook: NOTE [ Which snapshot an output hook obeys ] in
+// graphscale/_running.py), registers the plan for nested backwards, calls
+// the original torch.autograd.backward, and takes every hook, binding and
+// registration back in a destructor (Undo), on every exit.  It declines
+// (returns NotImplemented, having touched nothing) what the Python route
+// handles: inputs=, a seed it cannot make, more than 64 factors, a running
+// plan that is not native, a nested backward in a task bound without a
+// native reading.  Same decisions, same plans, same seeds as the Python
+// route (tests/test_native_route.py runs the suite's graphs through both).
+
+// Process-wide Python objects the route needs (native.configure, once).
+struct Registry {
+  py::object running;      // graphscale._running._running: the running plans, innermost last
+  py::object running_cls;  // graphscale._running.Running(plan, reading)
+  py::object binding_cls;  // graphscale._running.Binding(reading, potential)
+  py::object by_task;      // graphscale._running._by_task: graph task id -> Binding
+  py::object call_module;  // graphscale._call: its ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
+  py::object original() const { return call_module.attr("ORIGINAL_BACKWARD"); }  // read per call: tests spy on it
+  py::object param_type;   // torch.nn.Parameter
+  py::object not_impl;
+};
+static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
+
+static void configure(py::object running, py::object running_cls, py::object binding_cls, py::object by_task,
+                      py::object call_module, py::object param_type) {
+  if (registry == nullptr) registry = new Registry();
+  *registry = Registry{running, running_cls, binding_cls, by_task, call_module, param_type,
+                       py::reinterpret_borrow<py::object>(Py_NotImplemented)};
+}
+
+// Tests: the ScaleHook call that takes this count to 0 throws (0: none does).
+static std::atomic<int64_t> inject_failure_in{0};
+// Tests: hooks made, hooks alive (of each kind), ScaleHook calls (native.hook_tally()).
+static std::atomic<int64_t> scale_made{0}, scale_live{0}, bind_made{0}, bind_live{0}, scale_calls{0};
+
+using Clock_ = std::chrono::steady_clock;
+static int64_t ns_since(Clock_::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock_::now() - t0).count();
+}
+
+// One edge multiplier row on one node: grad_inputs[k] (flowing along
+// next_edges[k]) times m.  What graphscale/_backward.py _post_hook does.
+class ScaleHook : public torch::autograd::FunctionPostHook {
+ public:
+  ScaleHook(std::vector<std::pair<int64_t, double>> mults, std::shared_ptr<std::atomic<int64_t>> ns)
+      : mults_(std::move(mults)), ns_(std::move(ns)) {
+    ++scale_made;
+    ++scale_live;
+  }
+  ~ScaleHook() override { --scale_live; }
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    const auto t0 = Clock_::now();
+    ++scale_calls;
+    if (inject_failure_in.load(std::memory_order_relaxed) > 0 && inject_failure_in.fetch_sub(1) == 1)
+      throw std::runtime_error("graphscale: a hook failure injected by a test");
+    torch::autograd::variable_list out(outputs);
+    for (const auto& km : mults_) {
+      const size_t k = static_cast<size_t>(km.first);
+      if (k < out.size() && out[k].defined()) out[k] = out[k].mul(km.second);
+    }
+    ns_->fetch_add(ns_since(t0), std::memory_order_relaxed);
+    return out;
+  }
+
+ private:
+  std::vector<std::pair<int64_t, double>> mults_;
+  std::shared_ptr<std::atomic<int64_t>> ns_;
+};
+
+// What one backward's binding hooks share: the Binding, the tasks they bound.
+struct BindState {
+  PyObject* binding = nullptr;  // strong; released by Undo, with the GIL
+  std::mutex mu;
+  std::vector<int> tasks;
+};
+
+// Records graph task id -> Binding in graphscale._running._by_task when the
+// task runs its first node (graphscale/_running.py bound._bind does the same).
+class BindHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit BindHook(std::shared_ptr<BindState> st) : st_(std::move(st)) {
+    ++bind_made;
+    ++bind_live;
+  }
+  ~BindHook() override { --bind_live; }
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    const int tid = torch::autograd::get_current_graph_task_id();
+    if (tid < 0) return grads;
+    py::gil_scoped_acquire gil;
+    PyObject* key = PyLong_FromLong(tid);
+    if (key != nullptr) {
+      PyObject* dict = registry->by_task.ptr();
+      if (PyDict_Contains(dict, key) == 0 && PyDict_SetItem(dict, key, st_->binding) == 0) {
+        std::lock_guard<std::mutex> lock(st_->mu);
+        st_->tasks.push_back(tid);  // only what this binding put there is taken out again
+      }
+      Py_DECREF(key);
+    }
+    PyErr_Clear();
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<BindState> st_;
+};
+
+// Everything one governed backward added, taken back when it goes out of
+// scope (normal return or exception); runs with the GIL held.
+struct Undo {
+  std::vector<std::pair<Node*, uintptr_t>> posts;
+  std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> binds;
+  std::vector<NodePtr> keep;  // the nodes hooked, alive until unhooked
+  std::shared_ptr<BindState> bind;
+  PyObject* entry = nullptr;  // the Running entry appended to the registry (strong)
+  std::shared_ptr<std::atomic<int64_t>> hook_ns = std::make_shared<std::atomic<int64_t>>(0);
+  int64_t* off_ns = nullptr;
+
+  Undo() = default;
+  Undo(const Undo&) = delete;
+  Undo& operator=(const Undo&) = delete;
+  ~Undo() {
+    const auto t0 = Clock_::now();
+    for (auto& pk : posts) pk.first->del_post_hook(pk.second);
+    for (auto& nb : binds) {
+      auto& hooks = nb.first->tensor_pre_hooks();
+      for (auto it = hooks.begin(); it != hooks.end(); ++it)
+        if (it->get() == nb.second) {
+          hooks.erase(it);
+          break;
+        }
+    }
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);  // a pending Python error survives the clean-up
+    if (entry != nullptr) {
+      PyObject* list = registry->running.ptr();
+      for (Py_ssize_t i = PyList_GET_SIZE(list); i-- > 0;)
+        if (PyList_GET_ITEM(list, i) == entry) {
+          PyList_SetSlice(list, i, i + 1, nullptr);
+          break;
+        }
+      Py_DECREF(entry);
+    }
+    if (bind) {
+      std::vector<int> tasks;
+      {
+        std::lock_guard<std::mutex> lock(bind->mu);
+        tasks.swap(bind->tasks);
+      }
+      for (int tid : tasks) {
+        PyObject* key = PyLong_FromLong(tid);
+        if (key != nullptr && PyDict_DelItem(registry->by_task.ptr(), key) < 0) PyErr_Clear();
+        Py_XDECREF(key);
+      }
+      Py_CLEAR(bind->binding);
+    }
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    keep.clear();
+    if (off_ns != nullptr) *off_ns = ns_since(t0);
+  }
+};
+
+// What Governor.top and govern_nested return when asked for stats:
+// (kind: 0 left alone, 1 fast path, 2 planned; nodes walked; multiplications;
+// ns of walk+plan, seeds, hooks on, bind, hook calls, hooks off).
+enum Kind : int { kUntouched = 0, kFast = 1, kPlanned = 2 };
+struct Outcome {
+  int kind = kUntouched;
+  int64_t nodes = 0, multiplications = 0;
+  int64_t ns[6] = {0, 0, 0, 0, 0, 0};
+  py::object stats() const {
+    return py::make_tuple(kind, nodes, multiplications, ns[0], ns[1], ns[2], ns[3], ns[4], ns[5]);
+  }
+};
+
+// The root's Node pointer and the NodePtr that keeps it alive.
+static NodePtr node_ptr(Node* n) { return n->getptr(); }
+
+// Seeds: grads[r] times mults[r] (None where the seed is torch's implicit
+// one of a scalar tensor: full of mults[r]).  False where a seed cannot be
+// made here (a non-tensor seed, a non-scalar implicit seed, an edge's
+// implicit seed): the Python route handles those.
+static bool scaled_seeds(const py::tuple& roots, const py::list& grads, const std::vector<double>& mults,
+                         py::list* out) {
+  for (size_t r = 0; r < mults.size(); ++r) {
+    py::object g = grads[r];
+    if (mults[r] == 1.0) {
+      out->append(g);
+      continue;
+    }
+    if (g.is_none()) {
+      PyObject* t = roots[r].ptr();
+      if (!THPVariable_Check(t)) return false;
+      const auto& var = THPVariable_Unpack(t);
+      if (var.numel() != 1) return false;
+      out->append(py::reinterpret_steal<py::object>(
+          THPVariable_Wrap(at::full_like(var, mults[r], var.options(), at::MemoryFormat::Preserve))));
+      continue;
+    }
+    if (!THPVariable_Check(g.ptr())) return false;
+    out->append(py::reinterpret_steal<py::object>(THPVariable_Wrap(THPVariable_Unpack(g.ptr()).mul(mults[r]))));
+  }
+  return true;
+}
+
+// Everything but the decision: seeds, hooks, registration, binding, the
+// original backward.  `plan_obj`: the NativePlan (None unless planned);
+// `potential`: what a nested backward inside is planned from (NaN: none);
+// `bind`: whether the task is bound.
+struct Apply {
+  py::tuple roots;
+  py::list grads;
+  std::vector<Node*> nodes;
+  py::object reading;
+  py::object plan_obj;
+  NativePlan* plan = nullptr;
+  std::vector<double> mults;  // per root
+  bool bind = false;
+  double potential = std::nan("");
+  py::object task_reading;  // set on the Binding as .native when a potential is bound
+  py::object retain_graph, create_graph, inputs;
+  bool may_bind = true;  // flags[3]: False only in tests that break the binding on purpose
+};
+
+static void run_applied(Apply& a, Outcome* oc) {
+  auto t0 = Clock_::now();
+  int64_t scaled = 0;
+  for (double m : a.mults)
+    if (m != 1.0) ++scaled;
+  py::list seeds;
+  if (scaled == 0) {
+    seeds = a.grads;
+  } else if (!scaled_seeds(a.roots, a.grads, a.mults, &seeds)) {
+    throw std::logic_error("graphscale: seeds checked before");  // checked by can_scale
+  }
+  oc->ns[1] = ns_since(t0);
+  t0 = Clock_::now();
+  Undo undo;
+  undo.off_ns = &oc->ns[5];
+  if (a.plan != nullptr) {
+    const NativePlan& P = *a.plan;
+    for (size_t h = 0; h < P.hook_nodes.size(); ++h) {
+      Node* node = P.found[P.hook_nodes[h]];
+      undo.keep.push_back(node_ptr(node));
+      undo.posts.emplace_back(node, node->add_post_hook(std::make_unique<ScaleHook>(P.hook_mults[h], undo.hook_ns)));
+    }
+    py::object entry = registry->running_cls(a.plan_obj, a.reading);
+    if (PyList_Append(registry->running.ptr(), entry.ptr()) < 0) throw py::error_already_set();
+    undo.entry = entry.release().ptr();
+  }
+  oc->ns[2] = ns_since(t0);
+  t0 = Clock_::now();
+  if (a.bind && a.may_bind) {
+    py::object potential = py::none();
+    if (!std::isnan(a.potential)) potential = py::float_(a.potential);
+    py::object binding = registry->binding_cls(a.reading, potential);
+    if (!a.task_reading.is_none()) binding.attr("native") = a.task_reading;
+    undo.bind = std::make_shared<BindState>();
+    undo.bind->binding = binding.release().ptr();
+    for (Node* n : a.nodes) {
+      bool seen = false;
+      for (auto& nb : undo.binds) seen = seen || nb.first == n;
+      if (seen || n == nullptr) continue;
+      auto hook = std::make_unique<BindHook>(undo.bind);
+      const torch::autograd::FunctionPreHook* raw_hook = hook.get();
+      undo.keep.push_back(node_ptr(n));
+      auto& hooks = n->tensor_pre_hooks();
+      hooks.insert(hooks.begin(), std::move(hook));
+      undo.binds.emplace_back(n, raw_hook);
+    }
+  }
+  oc->ns[3] = ns_since(t0);
+  py::dict kw;
+  kw["inputs"] = a.inputs;
+  registry->original()(a.roots, seeds, a.retain_graph, a.create_graph, **kw);
+  oc->ns[4] = undo.hook_ns->load();
+}
+
+// Whether scaled_seeds can make every seed (checked before anything is touched).
+static bool can_scale(const py::tuple& roots, const py::list& grads, const std::vector<double>& mults) {
+  for (size_t r = 0; r < mults.size(); ++r) {
+    if (mults[r] == 1.0) continue;
+    PyObject* g = grads[r].ptr();
+    if (g == Py_None) {
+      PyObject* t = roots[r].ptr();
+      if (!THPVariable_Check(t) || THPVariable_Unpack(t).numel() != 1) return false;
+    } else if (!THPVariable_Check(g)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// What a natively governed backward's snapshot contributes (one per
+// snapshot, kept in its tables): its owners, policy, checkpoint hint (node ->
+// group position or None), whether it governs objects with output hooks, and
+// the callable that warns about groups a backward missed.
+struct Governor {
+  py::object owners_obj;
+  const Owners* owners = nullptr;
+  int policy = kAny;
+  py::object hint;
+  bool hook_owners = false;
+  py::object warn;
+  Governor(py::object owners_, int policy_, py::object hint_, bool hook_owners_, py::object warn_)
+      : owners_obj(owners_), owners(&owners_.cast<const Owners&>()), policy(policy_), hint(hint_),
+        hook_owners(hook_owners_), warn(warn_) {
+    if (policy < kAny || policy > kPlain) throw std::invalid_argument("graphscale: unknown unowned policy");
+  }
+};
+
+// A Binding's native reading (its .native): what a backward nested in a task
+// bound with a potential is planned with.
+struct TaskReading {
+  py::object governor;
+  std::vector<double> factors;
+};
+
+static Request request_of(const Governor& g, py::object gov_obj, const std::vector<double>& factors) {
+  Request req;
+  req.owners_obj = g.owners_obj;
+  req.owners = g.owners;
+  req.factors = factors;
+  req.policy = g.policy;
+  req.param_type = registry->param_type;
+  req.hint = g.hint;
+  req.hint_positions = true;
+  req.outer_phi = py::none();
+  (void)gov_obj;
+  return req;
+}
+
+// Plan with `req`; false when the native planner declines (> 64 factors).
+static bool plan_into(Apply& a, const Request& req, py::object gov_obj, std::vector<NodePtr>&& leaf_roots,
+                      Outcome* oc) {
+  NativePlan P;
+  try {
+    P = plan_core(a.roots, a.nodes, req);
+  } catch (const std::overflow_error&) {
+    return false;
+  }
+  P.leaf_roots = std::move(leaf_roots);
+  P.governor = gov_obj;
+  a.plan_obj = py::cast(std::move(P));
+  a.plan = a.plan_obj.cast<NativePlan*>();
+  oc->nodes = a.plan->num_nodes;
+  return true;
+}
+
+// Governor.top: a top-level governed backward (graphscale/_backward.py
+// _run_top_level from the decision on).  factors: by group position;
+// carries: what each seed carries already.
+static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads,
+                             const std::vector<double>& factors, const std::vector<double>& carries,
+                             py::object reading, const py::tuple& flags, bool want_stats) {
+  const Governor& g = self.cast<const Governor&>();
+  Outcome oc;
+  Apply a;
+  a.roots = roots;
+  a.grads = grads;
+  a.reading = reading;
+  a.retain_graph = flags[0];
+  a.create_graph = flags[1];
+  a.inputs = flags[2];
+  a.may_bind = flags[3].cast<bool>();
+  std::vector<NodePtr> leaf_roots;
+  if (!root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
+  for (Node* n : a.nodes)
+    if (n == nullptr) return registry->not_impl;  // torch raises its own error (the Python route lets it)
+  auto t0 = Clock_::now();
+  bool same = true;
+  for (double f : factors) same = same && f == factors[0];
+  const double f = factors.empty() ? 1.0 : factors[0];
+  bool carry_nothing = true;
+  for (double c : carries) carry_nothing = carry_nothing && c == 1.0;
+  bool plan_it = !same;
+  if (same && !(f == 1.0 && carry_nothing)) {
+    const int code = probe_nodes(a.nodes, *g.owners, g.policy, registry->param_type);
+    const int verdict = code & 3;
+    const bool hidden = code & 4;
+    if (verdict == 0 && !hidden) {
+    } else if (verdict == 0 && carry_nothing) {
+      a.potential = 1.0;
+    } else if (verdict == 1) {
+      oc.kind = kFast;
+      if (hidden && g.policy != kAny) a.potential = f;
+      a.mults.resize(roots.size());
+      for (size_t r = 0; r < carries.size(); ++r) a.mults[r] = f / carries[r];
+    } else {
+      plan_it = true;
+    }
+  }
+  if (plan_it) {
+    Request req = request_of(g, self, factors);
+    if (!plan_into(a, req, self, std::move(leaf_roots), &oc)) return registry->not_impl;
+    const NativePlan& P = *a.plan;
+    if (P.owned_leaves || P.custom_nodes) {
+      oc.kind = kPlanned;
+      a.mults.resize(roots.size());
+      for (size_t r = 0; r < carries.size(); ++r) a.mults[r] = P.seeds[r] * P.base / carries[r];
+    } else {
+      a.plan = nullptr;
+      a.plan_obj = py::none();
+    }
+  }
+  if (a.mults.empty()) a.mults.assign(roots.size(), 1.0);
+  if (!can_scale(roots, grads, a.mults)) return registry->not_impl;
+  if (!std::isnan(a.potential)) {
+    auto tr = std::make_unique<TaskReading>();
+    tr->governor = self;
+    tr->factors = factors;
+    a.task_reading = py::cast(std::move(tr));
+  }
+  oc.ns[0] = ns_since(t0);
+  int64_t scaled = 0;
+  for (double m : a.mults) scaled += m != 1.0;
+  if (oc.kind == kPlanned) {
+    const NativePlan& P = *a.plan;
+    int64_t seed_mults = 0;
+    for (double s : P.seeds) seed_mults += s != 1.0;
+    oc.multiplications = P.multiplications - seed_mults + scaled;
+    if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(a.plan_obj);
+  } else {
+    oc.multiplications = scaled;
+  }
+  a.bind = !std::isnan(a.potential) || (g.hook_owners && (oc.kind != kPlanned || a.plan->tensor_hooks));
+  run_applied(a, &oc);
+  return want_stats ? oc.stats() : py::none();
+}
+
+// A backward called from inside `current`'s backward (NOTE [ Nested
+// backward ] in graphscale/_backward.py; _planning.py plan_nested then
+// _backward.py _run_plan, natively).
+static py::object govern_nested(py::handle current, const py::tuple& roots, const py::list& grads,
+                                const py::tuple& flags, bool want_stats) {
+  if (registry == nullptr) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  Outcome oc;
+  Apply a;
+  a.roots = roots;
+  a.grads = grads;
+  a.retain_graph = flags[0];
+  a.create_graph = flags[1];
+  a.inputs = flags[2];
+  a.may_bind = flags[3].cast<bool>();
+  auto t0 = Clock_::now();
+  py::tuple entries = py::tuple(registry->running);  // a snapshot, innermost last
+  const size_t m = entries.size();
+  std::vector<py::object> keep;
+  std::vector<const NativePlan*> outer_plans;  // innermost first
+  for (size_t k = m; k-- > 0;) {
+    py::object obj = entries[k].attr("plan");
+    if (!py::isinstance<NativePlan>(obj)) return registry->not_impl;
+    outer_plans.push_back(obj.cast<const NativePlan*>());
+    keep.push_back(std::move(obj));
+  }
+  std::vector<NodePtr> leaf_roots;
+  if (!root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
+  for (Node* n : a.nodes)
+    if (n == nullptr) return registry->not_impl;
+  Node* node = node_of(current.ptr());
+  const NativePlan* op = nullptr;
+  size_t q = 0;
+  for (; node != nullptr && q < m; ++q) {
+    if (outer_plans[q]->index.get(node) >= 0) {
+      op = outer_plans[q];
+      break;
+    }
+  }
+  Request req;
+  py::object gov_obj;
+  if (op != nullptr) {
+    if (op->governor.is_none()) return registry->not_impl;
+    gov_obj = op->governor;
+    req.owners_obj = op->owners;
+    req.owners = &op->owners.cast<const Owners&>();
+    req.factors = op->factors;
+    req.base = req.carrier = op->phi_disc[op->index.get(node)];
+    req.policy = op->policy;
+    req.param_type = registry->param_type;
+    req.hint = op->hint;
+    req.hint_positions = op->hint_positions;
+    a.reading = entries[m - 1 - q].attr("reading");
+  } else {  // inside a backward left unplanned: its task's binding says (NOTE [ Fast path ])
+    PyObject* binding = nullptr;
+    if (PyDict_GET_SIZE(registry->by_task.ptr()) > 0) {
+      py::object key = py::int_(torch::autograd::get_current_graph_task_id());
+      binding = PyDict_GetItem(registry->by_task.ptr(), key.ptr());  // borrowed
+    }
+    if (binding == nullptr) {  // ungoverned: untouched, unbound
+      py::dict kw;
+      kw["inputs"] = a.inputs;
+      registry->original()(roots, grads, a.retain_graph, a.create_graph, **kw);
+      return want_stats ? oc.stats() : py::none();
+    }
+    py::handle b(binding);
+    py::object native = py::getattr(b, "native", py::none());
+    py::object potential = b.attr("potential");
+    if (native.is_none() || potential.is_none()) return registry->not_impl;
+    const TaskReading& tr = native.cast<const TaskReading&>();
+    gov_obj = tr.governor;
+    req = request_of(gov_obj.cast<const Governor&>(), gov_obj, tr.factors);
+    req.base = req.carrier = potential.cast<double>();
+    a.reading = b.attr("reading");
+  }
+  req.nested = true;
+  req.outer_plans = &outer_plans;
+  req.outer_phi = py::none();
+  if (!plan_into(a, req, gov_obj, std::move(leaf_roots), &oc)) return registry->not_impl;
+  const NativePlan& P = *a.plan;
+  a.mults.assign(P.seeds.begin(), P.seeds.end());
+  if (!can_scale(roots, grads, a.mults)) return registry->not_impl;
+  oc.kind = kPlanned;
+  oc.multiplications = P.multiplications;
+  oc.ns[0] = ns_since(t0);
+  a.bind = gov_obj.cast<const Governor&>().hook_owners && P.tensor_hooks;
+  run_applied(a, &oc);
+  return want_stats ? oc.stats() : py::none();
+}
+
+// Tests: how many post-hooks and tensor pre-hooks `node` has.
+static py::tuple hook_counts(py::handle node) {
+  Node* n = node_of(node.ptr());
+  if (n == nullptr) return py::make_tuple(0, 0);
+  return py::make_tuple(n->post_hooks().size(), n->tensor_pre_hooks().size());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "graphscale native walk + plan (see graphscale/_plan.py NOTE [ Potentials ])";
   py::class_<Owners>(m, "Owners").def(py::init<const std::vector<uintptr_t>&, const std::vector<int>&>());
@@ -912,4 +1465,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("plan", &plan);
   m.def("nested_plan", &nested_plan);
   m.def("probe", &probe);
+  py::class_<Governor>(m, "Governor")
+      .def(py::init<py::object, int, py::object, bool, py::object>())
+      .def("top", [](py::object self, const py::tuple& roots, const py::list& grads, const std::vector<double>& factors,
+                     const std::vector<double>& carries, py::object reading, const py::tuple& flags, bool stats) {
+        return govern_top(self, roots, grads, factors, carries, reading, flags, stats);
+      });
+  py::class_<TaskReading>(m, "TaskReading");
+  m.def("configure", &configure);
+  m.def("govern_nested", &govern_nested);
+  m.def("hook_counts", &hook_counts);
+  m.def("hook_tally", []() {
+    return py::make_tuple(scale_made.load(), scale_live.load(), bind_made.load(), bind_live.load(), scale_calls.load());
+  });
+  m.def("_inject_hook_failure", [](int64_t call) { inject_failure_in.store(call); });  // tests: the call-th from now throws
 }
