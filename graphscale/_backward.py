@@ -145,6 +145,11 @@ def governed_backward(
     """``torch.autograd.backward`` with every owned leaf scaled by its group's
     factor (torch's own six parameters: the one function here that takes more
     than five)."""
+    if inputs is None and grad_variables is None:  # NOTE [ Nested backward ], natively, without reading the call
+        current_node = torch._C._current_autograd_node()
+        if current_node is not None and _route.nested_call(tensors, grad_tensors, retain_graph, create_graph,
+                                                           current_node):
+            return None
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     observer = _observe.observer()
     if observer is not None:

@@ -51,6 +51,7 @@ def is_output_hooked(tensor: torch.Tensor) -> bool:
 
 
 _SEEN = "_graphscale_engine_of"  # on a manager: (its per-tensor function, the engine it names or None)
+_WRAPPED = "_graphscale_governed"  # on a manager: the _Governed of its per-tensor function
 
 
 def _engine_of(manager: Any) -> Any:
@@ -77,8 +78,15 @@ class _PerTensorRedirect:
     def __get__(self, manager: Any, owner: type | None = None) -> Any:
         if manager is None:
             return self
-        fn = manager.__dict__.get(_FN)
-        return fn if _engine_of(manager) is None else _Governed(fn)
+        d = manager.__dict__
+        fn = d.get(_FN)
+        made = d.get(_WRAPPED)
+        if made is not None and made.deepspeeds is fn:  # made once per manager and function
+            return made
+        if _engine_of(manager) is None:
+            return fn
+        made = d[_WRAPPED] = _Governed(fn)
+        return made
 
     def __set__(self, manager: Any, value: Any) -> None:
         manager.__dict__[_FN] = value

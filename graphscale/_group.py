@@ -234,11 +234,16 @@ class Group:
         spec = self._factor
         if spec is not None:
             value = _read(spec, "factor", self.name) if callable(spec) else spec
+            if type(value) is float and 0.0 < value < math.inf:  # the usual value: checked without the message
+                return "factor", value
             where = f"the factor callable of group {self.name!r}" if callable(spec) else "Group(factor=...)"
             return "factor", _check_factor_value(value, where)
         spec = self._gas
         if callable(spec):
-            return "gas", _check_gas_value(_read(spec, "gas", self.name), f"the gas callable of group {self.name!r}")
+            value = _read(spec, "gas", self.name)
+            if type(value) is int and value >= 1:  # the usual value: checked without the message
+                return "gas", value
+            return "gas", _check_gas_value(value, f"the gas callable of group {self.name!r}")
         return "gas", spec
 
     def gas(self) -> int | None:

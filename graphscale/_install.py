@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _adapters, _backward, _native, _planning, _snapshot
+from . import _adapters, _backward, _native, _planning, _route, _snapshot
 from ._group import Group
 
 __all__ = ["Installation", "install"]
@@ -108,6 +108,7 @@ def _refresh() -> None:
     native = _native.loaded()
     if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
         _planning.native_owners(state, native)
+        _route.governor(native, state)
     _snapshot.set_current(state)
     _backward.patch(True)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _call, _observe, _running
+from . import _call, _native, _observe, _running
 from ._call import BackwardCall
 from ._hints import checkpoint_hint_positions
 from ._observe import Laps
@@ -28,7 +28,7 @@ from ._planning import native_owners
 from ._snapshot import Reading, State
 from ._unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "usable", "top_level", "nested"]
+__all__ = ["ROUTE_ENV", "enabled", "bind", "usable", "governor", "top_level", "nested_call", "nested"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -47,13 +47,13 @@ def usable(call: BackwardCall) -> bool:
     return enabled and not call.inputs and call.roots is not None and not _log.isEnabledFor(logging.DEBUG)
 
 
-def _governor(native: Any, state: State) -> Any:
+def governor(native: Any, state: State) -> Any:
     """The native ``Governor`` of ``state``, made once per snapshot (NOTE [
     Per-snapshot tables ] in _snapshot.py)."""
     global _configured
     if _configured is not native:
         native.configure(_running._running, _running.Running, _running.Binding, _running._by_task,
-                         _call, torch.nn.Parameter)
+                         _call, torch.nn.Parameter, torch.nn.Module)
         _configured = native
     made = state.tables.native_governor
     if made is not None and made[0] is native:
@@ -86,7 +86,7 @@ def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[f
     """Run the top-level backward ``call`` under ``reading`` natively; False
     when the native call declined (nothing was touched)."""
     state = reading.state
-    gov = _governor(native, state)
+    gov = governor(native, state)
     factors = [reading.factors[g] for g in state.groups]
     want = laps is not None or _observe.walks_recorded()
     if laps:
@@ -94,6 +94,45 @@ def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[f
     assert call.grads is not None
     out = gov.top(call.roots, list(call.grads), factors, carries, reading,
                   (call.retain_graph, call.create_graph, call.inputs_arg, bind), want)
+    if out is NotImplemented:
+        return False
+    if want:
+        _observed(out, laps)
+    return True
+
+
+def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
+                current_node: Any) -> bool:
+    """A backward nested in ``current_node``'s backward, taken natively
+    straight from ``torch.autograd.backward``'s arguments when they are the
+    plain forms (a tensor or a tuple of them; seeds None, a tensor, or a tuple
+    or list of them; no ``inputs=``): the call a reentrant checkpoint makes
+    once per block, read without building a :class:`BackwardCall`.  False:
+    not taken (nothing touched); the caller reads the call and goes on."""
+    if not enabled or _configured is None:
+        return False
+    native = _native.load()
+    if native is not _configured or _log.isEnabledFor(logging.DEBUG):
+        return False
+    if isinstance(tensors, torch.Tensor):
+        roots: Any = (tensors,)
+    elif type(tensors) is tuple:
+        roots = tensors
+    else:
+        return False
+    if grad_tensors is None:
+        grads: Any = [None] * len(roots)
+    elif isinstance(grad_tensors, torch.Tensor):
+        grads = [grad_tensors]
+    elif type(grad_tensors) in (tuple, list):
+        grads = list(grad_tensors)
+    else:
+        return False
+    laps = _observe.laps(nested=True)
+    want = laps is not None or _observe.walks_recorded()
+    if laps:
+        laps("prepare")
+    out = native.govern_nested(current_node, roots, grads, (retain_graph, create_graph, None, bind), want)
     if out is NotImplemented:
         return False
     if want:

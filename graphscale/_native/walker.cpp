@@ -31,6 +31,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <typeinfo>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -183,13 +184,12 @@ bool is_parameter(const at::Tensor& var, py::handle param_type) {
   if (obj == nullptr) throw py::error_already_set();
   bool isparam = PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(param_type.ptr()));
   if (!isparam) {
-    PyObject* flag = PyObject_GetAttrString(obj, "_is_param");
-    if (flag == nullptr) {
-      PyErr_Clear();
-    } else {
-      isparam = PyObject_IsTrue(flag) == 1;
-      Py_DECREF(flag);
-    }
+    // The flag lives in the instance dict (Parameter's metaclass reads it so);
+    // read there, no AttributeError is raised and cleared for a plain tensor.
+    PyObject** dictptr = _PyObject_GetDictPtr(obj);
+    PyObject* flag = (dictptr != nullptr && *dictptr != nullptr) ? PyDict_GetItemString(*dictptr, "_is_param") : nullptr;
+    if (flag != nullptr) isparam = PyObject_IsTrue(flag) == 1;
+    PyErr_Clear();
   }
   Py_DECREF(obj);
   return isparam;
@@ -214,6 +214,23 @@ struct Owners {
   }
 };
 
+// NOTE [ Checkpoint hints ] (graphscale/_hints.py) on the native route: the
+// position a custom-Function node's run_function hints, kept per snapshot
+// (in its Governor) for run_functions that are nn.Modules, which it holds
+// (so an address is never reused while cached); other run_functions ask the
+// Python hint every time.  A stale entry costs multiplications, never
+// correctness, as in Python.  Used and dropped with the GIL held.
+struct HintCache {
+  std::unordered_map<PyObject*, int64_t> by_fn;
+  HintCache() = default;
+  HintCache(const HintCache&) = delete;
+  HintCache& operator=(const HintCache&) = delete;
+  ~HintCache() {
+    for (auto& kv : by_fn) Py_DECREF(kv.first);
+  }
+};
+static PyObject* module_type = nullptr;  // torch.nn.Module (native.configure)
+
 // What the governed backward needs from a plan, and the nested-backward lookup.
 struct NativePlan {
   // The roots' Python objects keep every walked node alive (so addresses stay
@@ -237,10 +254,12 @@ struct NativePlan {
   // What a backward nested inside this one is planned with (nested_plan):
   // the same owners, factors, policy and checkpoint hint.
   py::object owners;  // the Owners object
+  const Owners* owners_ptr = nullptr;  // its C++ side (the object keeps it alive)
   std::vector<double> factors;
   int policy = kAny;
   py::object hint;
   bool hint_positions = false;
+  HintCache* hint_cache = nullptr;  // the governor's (alive while `governor` is)
   py::object governor = py::none();  // the Governor of a natively governed backward (None: planned for Python)
   // What the backward reached: owned leaves, and per group position whether
   // any of its leaves; unowned nn.Parameter leaves (counted where the policy
@@ -306,6 +325,7 @@ struct Request {
   py::object outer_phi;
   py::object hint;                       // None, or a callable: custom Function node -> pin or None
   bool hint_positions = false;           // the hint answers a group position (or None), not a pin
+  HintCache* hint_cache = nullptr;       // with hint_positions: answers kept per run_function module
 
   bool has_outer() const { return outer_plans != nullptr || !outer_phi.is_none(); }
 
@@ -369,11 +389,13 @@ class Planner {
 
   void run(const std::vector<Node*>& root_nodes, size_t index_guess) {
     P.owners = R.owners_obj;
+    P.owners_ptr = R.owners;
     P.factors = R.factors;
     P.policy = R.policy;
     P.reached.assign(R.factors.size(), 0);
     P.hint = R.hint;
     P.hint_positions = R.hint_positions;
+    P.hint_cache = R.hint_cache;
     P.base = R.base;
     Clock clock(P.phase_ns);
     discover(root_nodes, index_guess);
@@ -486,6 +508,31 @@ class Planner {
     return false;
   }
 
+  // The group position the hint gives custom-Function node `o`, or -1 (HintCache).
+  int64_t cached_hint(int32_t o) {
+    static PyObject* name = PyUnicode_InternFromString("run_function");
+    py::object ctx = py_of(P.found[o]);
+    PyObject* fn = PyObject_GetAttr(ctx.ptr(), name);
+    if (fn == nullptr) PyErr_Clear();
+    const bool cacheable = fn != nullptr && module_type != nullptr &&
+                           PyObject_TypeCheck(fn, reinterpret_cast<PyTypeObject*>(module_type));
+    if (cacheable) {
+      auto it = R.hint_cache->by_fn.find(fn);
+      if (it != R.hint_cache->by_fn.end()) {
+        Py_DECREF(fn);
+        return it->second;
+      }
+    }
+    py::object v = R.hint(ctx);
+    const int64_t pos = v.is_none() ? -1 : v.cast<int64_t>();
+    if (cacheable) {
+      R.hint_cache->by_fn.emplace(fn, pos);  // keeps the reference GetAttr gave
+    } else {
+      Py_XDECREF(fn);
+    }
+    return pos;
+  }
+
   // Pins, by discovery position: leaves and hinted custom-Function nodes, then
   // inputs=, then nodes an enclosing plan governs (later ones overwrite, as
   // later insertions into the Python planner's pin dict do).  pin_kind: 0
@@ -511,6 +558,14 @@ class Planner {
     P.custom_nodes = static_cast<int64_t>(S.customs.size());
     if (want_hint) {
       for (int32_t o : S.customs) {
+        if (R.hint_cache != nullptr) {
+          const int64_t pos = cached_hint(o);
+          if (pos >= 0) {
+            pin_kind[o] = 2;
+            put(o, R.factors.at(pos));
+          }
+          continue;
+        }
         py::object v = R.hint(py_of(found[o]));
         if (!v.is_none()) {
           pin_kind[o] = 2;
@@ -835,6 +890,7 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
     req.outer_phi = py::none();
     req.hint = op->hint;
     req.hint_positions = op->hint_positions;
+    req.hint_cache = op->hint_cache;
     NativePlan P = plan_core(roots, root_nodes, req);
     P.leaf_roots = std::move(leaf_roots);
     return py::make_tuple(static_cast<int64_t>(m - 1 - q), py::cast(std::move(P)));
@@ -942,8 +998,10 @@ struct Registry {
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
 static void configure(py::object running, py::object running_cls, py::object binding_cls, py::object by_task,
-                      py::object call_module, py::object param_type) {
+                      py::object call_module, py::object param_type, py::object module_type_) {
   if (registry == nullptr) registry = new Registry();
+  Py_XDECREF(module_type);
+  module_type = module_type_.inc_ref().ptr();
   *registry = Registry{running, running_cls, binding_cls, by_task, call_module, param_type,
                        py::reinterpret_borrow<py::object>(Py_NotImplemented)};
 }
@@ -1025,6 +1083,19 @@ class BindHook : public torch::autograd::FunctionPreHook {
   std::shared_ptr<BindState> st_;
 };
 
+// The running plans the native route registered, innermost last, beside
+// the Python registry (graphscale._running._running) that holds their
+// entries: a nested backward finds its enclosing plan here without a Python
+// call.  Changed and read with the GIL held only.  When the Python registry
+// holds more entries (the Python route registered some), a nested backward
+// declines to the Python route.
+struct RunningEntry {
+  const NativePlan* plan;
+  PyObject* entry;    // the Running entry (holds the plan object and the reading)
+  PyObject* reading;  // borrowed from the entry
+};
+static std::vector<RunningEntry> native_running;
+
 // Everything one governed backward added, taken back when it goes out of
 // scope (normal return or exception); runs with the GIL held.
 struct Undo {
@@ -1053,6 +1124,11 @@ struct Undo {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  // a pending Python error survives the clean-up
     if (entry != nullptr) {
+      for (size_t i = native_running.size(); i-- > 0;)
+        if (native_running[i].entry == entry) {
+          native_running.erase(native_running.begin() + static_cast<std::ptrdiff_t>(i));
+          break;
+        }
       PyObject* list = registry->running.ptr();
       for (Py_ssize_t i = PyList_GET_SIZE(list); i-- > 0;)
         if (PyList_GET_ITEM(list, i) == entry) {
@@ -1124,6 +1200,20 @@ static bool scaled_seeds(const py::tuple& roots, const py::list& grads, const st
   return true;
 }
 
+// torch.autograd.backward as torch defined it, called positionally (tensors,
+// grad_tensors, retain_graph, create_graph, grad_variables=None, inputs).
+static void call_original(py::handle roots, py::handle seeds, py::handle retain, py::handle create,
+                          py::handle inputs) {
+  static PyObject* name = PyUnicode_InternFromString("ORIGINAL_BACKWARD");
+  PyObject* fn = PyObject_GetAttr(registry->call_module.ptr(), name);
+  if (fn == nullptr) throw py::error_already_set();
+  PyObject* args[6] = {roots.ptr(), seeds.ptr(), retain.ptr(), create.ptr(), Py_None, inputs.ptr()};
+  PyObject* out = PyObject_Vectorcall(fn, args, 6, nullptr);
+  Py_DECREF(fn);
+  if (out == nullptr) throw py::error_already_set();
+  Py_DECREF(out);
+}
+
 // Everything but the decision: seeds, hooks, registration, binding, the
 // original backward.  `plan_obj`: the NativePlan (None unless planned);
 // `potential`: what a nested backward inside is planned from (NaN: none);
@@ -1168,6 +1258,7 @@ static void run_applied(Apply& a, Outcome* oc) {
     py::object entry = registry->running_cls(a.plan_obj, a.reading);
     if (PyList_Append(registry->running.ptr(), entry.ptr()) < 0) throw py::error_already_set();
     undo.entry = entry.release().ptr();
+    native_running.push_back(RunningEntry{a.plan, undo.entry, a.reading.ptr()});
   }
   oc->ns[2] = ns_since(t0);
   t0 = Clock_::now();
@@ -1191,9 +1282,7 @@ static void run_applied(Apply& a, Outcome* oc) {
     }
   }
   oc->ns[3] = ns_since(t0);
-  py::dict kw;
-  kw["inputs"] = a.inputs;
-  registry->original()(a.roots, seeds, a.retain_graph, a.create_graph, **kw);
+  call_original(a.roots, seeds, a.retain_graph, a.create_graph, a.inputs);
   oc->ns[4] = undo.hook_ns->load();
 }
 
@@ -1223,6 +1312,7 @@ struct Governor {
   py::object hint;
   bool hook_owners = false;
   py::object warn;
+  std::unique_ptr<HintCache> hints = std::make_unique<HintCache>();
   Governor(py::object owners_, int policy_, py::object hint_, bool hook_owners_, py::object warn_)
       : owners_obj(owners_), owners(&owners_.cast<const Owners&>()), policy(policy_), hint(hint_),
         hook_owners(hook_owners_), warn(warn_) {
@@ -1246,6 +1336,7 @@ static Request request_of(const Governor& g, py::object gov_obj, const std::vect
   req.param_type = registry->param_type;
   req.hint = g.hint;
   req.hint_positions = true;
+  req.hint_cache = g.hints.get();
   req.outer_phi = py::none();
   (void)gov_obj;
   return req;
@@ -1285,7 +1376,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   a.inputs = flags[2];
   a.may_bind = flags[3].cast<bool>();
   std::vector<NodePtr> leaf_roots;
-  if (!root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
+  if (py::len(grads) != roots.size() || !root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
   for (Node* n : a.nodes)
     if (n == nullptr) return registry->not_impl;  // torch raises its own error (the Python route lets it)
   auto t0 = Clock_::now();
@@ -1364,18 +1455,20 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
   a.inputs = flags[2];
   a.may_bind = flags[3].cast<bool>();
   auto t0 = Clock_::now();
-  py::tuple entries = py::tuple(registry->running);  // a snapshot, innermost last
-  const size_t m = entries.size();
-  std::vector<py::object> keep;
+  const size_t m = native_running.size();
+  if (static_cast<size_t>(PyList_GET_SIZE(registry->running.ptr())) != m) return registry->not_impl;
+  std::vector<py::object> keep;  // the entries stay alive while a hint may run Python
   std::vector<const NativePlan*> outer_plans;  // innermost first
+  std::vector<PyObject*> readings;
+  keep.reserve(m);
+  outer_plans.reserve(m);
   for (size_t k = m; k-- > 0;) {
-    py::object obj = entries[k].attr("plan");
-    if (!py::isinstance<NativePlan>(obj)) return registry->not_impl;
-    outer_plans.push_back(obj.cast<const NativePlan*>());
-    keep.push_back(std::move(obj));
+    outer_plans.push_back(native_running[k].plan);
+    readings.push_back(native_running[k].reading);
+    keep.push_back(py::reinterpret_borrow<py::object>(native_running[k].entry));
   }
   std::vector<NodePtr> leaf_roots;
-  if (!root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
+  if (py::len(grads) != roots.size() || !root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
   for (Node* n : a.nodes)
     if (n == nullptr) return registry->not_impl;
   Node* node = node_of(current.ptr());
@@ -1393,14 +1486,15 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
     if (op->governor.is_none()) return registry->not_impl;
     gov_obj = op->governor;
     req.owners_obj = op->owners;
-    req.owners = &op->owners.cast<const Owners&>();
+    req.owners = op->owners_ptr;
     req.factors = op->factors;
     req.base = req.carrier = op->phi_disc[op->index.get(node)];
     req.policy = op->policy;
     req.param_type = registry->param_type;
     req.hint = op->hint;
     req.hint_positions = op->hint_positions;
-    a.reading = entries[m - 1 - q].attr("reading");
+    req.hint_cache = op->hint_cache;
+    a.reading = py::reinterpret_borrow<py::object>(readings[q]);
   } else {  // inside a backward left unplanned: its task's binding says (NOTE [ Fast path ])
     PyObject* binding = nullptr;
     if (PyDict_GET_SIZE(registry->by_task.ptr()) > 0) {
@@ -1408,9 +1502,7 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
       binding = PyDict_GetItem(registry->by_task.ptr(), key.ptr());  // borrowed
     }
     if (binding == nullptr) {  // ungoverned: untouched, unbound
-      py::dict kw;
-      kw["inputs"] = a.inputs;
-      registry->original()(roots, grads, a.retain_graph, a.create_graph, **kw);
+      call_original(roots, grads, a.retain_graph, a.create_graph, a.inputs);
       return want_stats ? oc.stats() : py::none();
     }
     py::handle b(binding);
