@@ -71,6 +71,20 @@ def governor(native: Any, state: State) -> Any:
     return gov
 
 
+def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None) -> bool:
+    """``fn(*args, want_stats)``, one native call, and what it measured handed
+    to the active recorders; False when it declined (touched nothing)."""
+    want = laps is not None or _observe.walks_recorded()
+    if laps:
+        laps("prepare")
+    out = fn(*args, want)
+    if out is NotImplemented:
+        return False
+    if want:
+        _observed(out, laps)
+    return True
+
+
 def _observed(stats: Any, laps: Laps | None) -> None:
     """Hand what the native call measured to the active recorders."""
     kind, nodes, mults, *ns = stats
@@ -88,17 +102,9 @@ def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[f
     state = reading.state
     gov = governor(native, state)
     factors = [reading.factors[g] for g in state.groups]
-    want = laps is not None or _observe.walks_recorded()
-    if laps:
-        laps("prepare")
     assert call.grads is not None
-    out = gov.top(call.roots, list(call.grads), factors, carries, reading,
-                  (call.retain_graph, call.create_graph, call.inputs_arg, bind), want)
-    if out is NotImplemented:
-        return False
-    if want:
-        _observed(out, laps)
-    return True
+    return _native_call(gov.top, (call.roots, list(call.grads), factors, carries, reading,
+                                  (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps)
 
 
 def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
@@ -128,16 +134,8 @@ def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, crea
         grads = list(grad_tensors)
     else:
         return False
-    laps = _observe.laps(nested=True)
-    want = laps is not None or _observe.walks_recorded()
-    if laps:
-        laps("prepare")
-    out = native.govern_nested(current_node, roots, grads, (retain_graph, create_graph, None, bind), want)
-    if out is NotImplemented:
-        return False
-    if want:
-        _observed(out, laps)
-    return True
+    return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None, bind)),
+                        _observe.laps(nested=True))
 
 
 def nested(native: Any, call: BackwardCall, current_node: Any, laps: Laps | None) -> bool:
@@ -145,14 +143,6 @@ def nested(native: Any, call: BackwardCall, current_node: Any, laps: Laps | None
     Nested backward ] in _backward.py); False when the native call declined."""
     if _configured is not native:
         return False  # no native top-level backward ran yet: nothing native to nest in
-    want = laps is not None or _observe.walks_recorded()
-    if laps:
-        laps("prepare")
     assert call.grads is not None
-    out = native.govern_nested(current_node, call.roots, list(call.grads),
-                               (call.retain_graph, call.create_graph, call.inputs_arg, bind), want)
-    if out is NotImplemented:
-        return False
-    if want:
-        _observed(out, laps)
-    return True
+    return _native_call(native.govern_nested, (current_node, call.roots, list(call.grads),
+                                               (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps)

@@ -1231,6 +1231,25 @@ struct Apply {
   py::object task_reading;  // set on the Binding as .native when a potential is bound
   py::object retain_graph, create_graph, inputs;
   bool may_bind = true;  // flags[3]: False only in tests that break the binding on purpose
+
+  // The call: roots, seeds, flags (retain_graph, create_graph, inputs, may
+  // bind), the roots' nodes (leaf roots' accumulators kept in `leaf_roots`).
+  // False where the native route declines it: a seed count that differs, a
+  // root neither a tensor nor an edge, or one that needs no grad (torch
+  // raises its own error; the Python route lets it).
+  bool read(const py::tuple& roots_, const py::list& grads_, const py::tuple& flags,
+            std::vector<NodePtr>* leaf_roots) {
+    roots = roots_;
+    grads = grads_;
+    retain_graph = flags[0];
+    create_graph = flags[1];
+    inputs = flags[2];
+    may_bind = flags[3].cast<bool>();
+    if (py::len(grads) != roots.size() || !root_nodes_of(roots, &nodes, leaf_roots)) return false;
+    for (Node* n : nodes)
+      if (n == nullptr) return false;
+    return true;
+  }
 };
 
 static void run_applied(Apply& a, Outcome* oc) {
@@ -1368,17 +1387,9 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   const Governor& g = self.cast<const Governor&>();
   Outcome oc;
   Apply a;
-  a.roots = roots;
-  a.grads = grads;
-  a.reading = reading;
-  a.retain_graph = flags[0];
-  a.create_graph = flags[1];
-  a.inputs = flags[2];
-  a.may_bind = flags[3].cast<bool>();
   std::vector<NodePtr> leaf_roots;
-  if (py::len(grads) != roots.size() || !root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
-  for (Node* n : a.nodes)
-    if (n == nullptr) return registry->not_impl;  // torch raises its own error (the Python route lets it)
+  if (!a.read(roots, grads, flags, &leaf_roots)) return registry->not_impl;
+  a.reading = reading;
   auto t0 = Clock_::now();
   bool same = true;
   for (double f : factors) same = same && f == factors[0];
@@ -1448,12 +1459,8 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
   if (registry == nullptr) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
   Outcome oc;
   Apply a;
-  a.roots = roots;
-  a.grads = grads;
-  a.retain_graph = flags[0];
-  a.create_graph = flags[1];
-  a.inputs = flags[2];
-  a.may_bind = flags[3].cast<bool>();
+  std::vector<NodePtr> leaf_roots;
+  if (!a.read(roots, grads, flags, &leaf_roots)) return registry->not_impl;
   auto t0 = Clock_::now();
   const size_t m = native_running.size();
   if (static_cast<size_t>(PyList_GET_SIZE(registry->running.ptr())) != m) return registry->not_impl;
@@ -1467,10 +1474,6 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
     readings.push_back(native_running[k].reading);
     keep.push_back(py::reinterpret_borrow<py::object>(native_running[k].entry));
   }
-  std::vector<NodePtr> leaf_roots;
-  if (py::len(grads) != roots.size() || !root_nodes_of(roots, &a.nodes, &leaf_roots)) return registry->not_impl;
-  for (Node* n : a.nodes)
-    if (n == nullptr) return registry->not_impl;
   Node* node = node_of(current.ptr());
   const NativePlan* op = nullptr;
   size_t q = 0;
