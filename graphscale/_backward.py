@@ -2,9 +2,13 @@
 
 ``Tensor.backward`` and DeepSpeed's ``engine.backward`` both end in
 ``torch.autograd.backward``, so while graphscale is installed that function is
-replaced by :func:`governed_backward`, which reads the factors, makes a plan
-(or takes the fast path), applies it with node hooks and seed scaling, runs
-the original, and removes every hook in a ``finally``.
+replaced by :func:`governed_backward`, which reads the call and the factors
+and hands the rest to one native call where the native module is loaded
+(``_route.py``; NOTE [ One native call per backward ] in
+``_native/walker.cpp``), or else, and wherever that call declines, takes the
+Python route here, the reference: makes a plan (or takes the fast path),
+applies it with node hooks and seed scaling, runs the original, and removes
+every hook in a ``finally``.
 
 From the entry point on, one backward is one value: the call
 (:class:`~graphscale._call.BackwardCall`) and, once the factors are read, a
