@@ -165,10 +165,7 @@ def _governed_backward(call: BackwardCall) -> None:
     current_node = torch._C._current_autograd_node()
     laps = _observe.laps(nested=current_node is not None)
     if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
-        native = _native.load()
-        if native is not None and _route.usable(call) and _route.nested(native, call, current_node, laps):
-            return None
-        return _run_nested(call, current_node, laps)
+        return _run_nested(call, current_node, laps)  # (the native route had its chance in governed_backward)
     state = current()
     if state is None:
         return call.run(None)

@@ -19,6 +19,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from . import _call, _native, _observe, _running
 from ._call import BackwardCall
@@ -28,7 +29,7 @@ from ._planning import native_owners
 from ._snapshot import Reading, State
 from ._unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "bind", "usable", "governor", "top_level", "nested_call", "nested"]
+__all__ = ["ROUTE_ENV", "enabled", "bind", "usable", "governor", "top_level", "nested_call"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -109,23 +110,24 @@ def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[f
 
 def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
                 current_node: Any) -> bool:
-    """A backward nested in ``current_node``'s backward, taken natively
-    straight from ``torch.autograd.backward``'s arguments when they are the
-    plain forms (a tensor or a tuple of them; seeds None, a tensor, or a tuple
-    or list of them; no ``inputs=``): the call a reentrant checkpoint makes
-    once per block, read without building a :class:`BackwardCall`.  False:
-    not taken (nothing touched); the caller reads the call and goes on."""
+    """A backward nested in ``current_node``'s backward (NOTE [ Nested
+    backward ] in _backward.py), taken natively straight from
+    ``torch.autograd.backward``'s arguments (roots: a tensor or edge, or a
+    tuple or list of them; seeds None, a tensor, or a tuple or list of them;
+    no ``inputs=``): the call a reentrant checkpoint makes once per block,
+    read without building a :class:`BackwardCall`.  False: not taken
+    (nothing touched); the Python route takes it."""
     if not enabled or _configured is None:
         return False
     native = _native.load()
     if native is not _configured or _log.isEnabledFor(logging.DEBUG):
         return False
-    if isinstance(tensors, torch.Tensor):
+    if isinstance(tensors, (torch.Tensor, GradientEdge)):
         roots: Any = (tensors,)
-    elif type(tensors) is tuple:
-        roots = tensors
+    elif type(tensors) in (tuple, list):
+        roots = tuple(tensors)
     else:
-        return False
+        return False  # an iterable torch reads once: the Python route reads it
     if grad_tensors is None:
         grads: Any = [None] * len(roots)
     elif isinstance(grad_tensors, torch.Tensor):
@@ -136,13 +138,3 @@ def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, crea
         return False
     return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None, bind)),
                         _observe.laps(nested=True))
-
-
-def nested(native: Any, call: BackwardCall, current_node: Any, laps: Laps | None) -> bool:
-    """Run ``call``, nested in ``current_node``'s backward, natively (NOTE [
-    Nested backward ] in _backward.py); False when the native call declined."""
-    if _configured is not native:
-        return False  # no native top-level backward ran yet: nothing native to nest in
-    assert call.grads is not None
-    return _native_call(native.govern_nested, (current_node, call.roots, list(call.grads),
-                                               (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps)

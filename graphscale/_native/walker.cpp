@@ -1230,6 +1230,7 @@ struct Apply {
   double potential = std::nan("");
   py::object task_reading;  // set on the Binding as .native when a potential is bound
   py::object retain_graph, create_graph, inputs;
+  py::list seeds;  // what torch is handed (make_seeds)
   bool may_bind = true;  // flags[3]: False only in tests that break the binding on purpose
 
   // The call: roots, seeds, flags (retain_graph, create_graph, inputs, may
@@ -1252,19 +1253,23 @@ struct Apply {
   }
 };
 
-static void run_applied(Apply& a, Outcome* oc) {
-  auto t0 = Clock_::now();
-  int64_t scaled = 0;
-  for (double m : a.mults)
-    if (m != 1.0) ++scaled;
-  py::list seeds;
-  if (scaled == 0) {
-    seeds = a.grads;
-  } else if (!scaled_seeds(a.roots, a.grads, a.mults, &seeds)) {
-    throw std::logic_error("graphscale: seeds checked before");  // checked by can_scale
+// The seeds of `a.mults` into `a.seeds`, before anything is touched; false
+// where one cannot be made here (the Python route makes or refuses it).
+static bool make_seeds(Apply& a, Outcome* oc) {
+  const auto t0 = Clock_::now();
+  bool scaled = false;
+  for (double m : a.mults) scaled = scaled || m != 1.0;
+  if (!scaled) {
+    a.seeds = a.grads;
+  } else if (!scaled_seeds(a.roots, a.grads, a.mults, &a.seeds)) {
+    return false;
   }
   oc->ns[1] = ns_since(t0);
-  t0 = Clock_::now();
+  return true;
+}
+
+static void run_applied(Apply& a, Outcome* oc) {
+  auto t0 = Clock_::now();
   Undo undo;
   undo.off_ns = &oc->ns[5];
   if (a.plan != nullptr) {
@@ -1301,23 +1306,8 @@ static void run_applied(Apply& a, Outcome* oc) {
     }
   }
   oc->ns[3] = ns_since(t0);
-  call_original(a.roots, seeds, a.retain_graph, a.create_graph, a.inputs);
+  call_original(a.roots, a.seeds, a.retain_graph, a.create_graph, a.inputs);
   oc->ns[4] = undo.hook_ns->load();
-}
-
-// Whether scaled_seeds can make every seed (checked before anything is touched).
-static bool can_scale(const py::tuple& roots, const py::list& grads, const std::vector<double>& mults) {
-  for (size_t r = 0; r < mults.size(); ++r) {
-    if (mults[r] == 1.0) continue;
-    PyObject* g = grads[r].ptr();
-    if (g == Py_None) {
-      PyObject* t = roots[r].ptr();
-      if (!THPVariable_Check(t) || THPVariable_Unpack(t).numel() != 1) return false;
-    } else if (!THPVariable_Check(g)) {
-      return false;
-    }
-  }
-  return true;
 }
 
 // What a natively governed backward's snapshot contributes (one per
@@ -1346,7 +1336,7 @@ struct TaskReading {
   std::vector<double> factors;
 };
 
-static Request request_of(const Governor& g, py::object gov_obj, const std::vector<double>& factors) {
+static Request request_of(const Governor& g, const std::vector<double>& factors) {
   Request req;
   req.owners_obj = g.owners_obj;
   req.owners = g.owners;
@@ -1357,7 +1347,6 @@ static Request request_of(const Governor& g, py::object gov_obj, const std::vect
   req.hint_positions = true;
   req.hint_cache = g.hints.get();
   req.outer_phi = py::none();
-  (void)gov_obj;
   return req;
 }
 
@@ -1414,7 +1403,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
     }
   }
   if (plan_it) {
-    Request req = request_of(g, self, factors);
+    Request req = request_of(g, factors);
     if (!plan_into(a, req, self, std::move(leaf_roots), &oc)) return registry->not_impl;
     const NativePlan& P = *a.plan;
     if (P.owned_leaves || P.custom_nodes) {
@@ -1427,14 +1416,14 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
     }
   }
   if (a.mults.empty()) a.mults.assign(roots.size(), 1.0);
-  if (!can_scale(roots, grads, a.mults)) return registry->not_impl;
+  if (!make_seeds(a, &oc)) return registry->not_impl;
   if (!std::isnan(a.potential)) {
     auto tr = std::make_unique<TaskReading>();
     tr->governor = self;
     tr->factors = factors;
     a.task_reading = py::cast(std::move(tr));
   }
-  oc.ns[0] = ns_since(t0);
+  oc.ns[0] = ns_since(t0) - oc.ns[1];  // the seeds are their own phase
   int64_t scaled = 0;
   for (double m : a.mults) scaled += m != 1.0;
   if (oc.kind == kPlanned) {
@@ -1514,7 +1503,7 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
     if (native.is_none() || potential.is_none()) return registry->not_impl;
     const TaskReading& tr = native.cast<const TaskReading&>();
     gov_obj = tr.governor;
-    req = request_of(gov_obj.cast<const Governor&>(), gov_obj, tr.factors);
+    req = request_of(gov_obj.cast<const Governor&>(), tr.factors);
     req.base = req.carrier = potential.cast<double>();
     a.reading = b.attr("reading");
   }
@@ -1524,10 +1513,10 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
   if (!plan_into(a, req, gov_obj, std::move(leaf_roots), &oc)) return registry->not_impl;
   const NativePlan& P = *a.plan;
   a.mults.assign(P.seeds.begin(), P.seeds.end());
-  if (!can_scale(roots, grads, a.mults)) return registry->not_impl;
+  if (!make_seeds(a, &oc)) return registry->not_impl;
   oc.kind = kPlanned;
   oc.multiplications = P.multiplications;
-  oc.ns[0] = ns_since(t0);
+  oc.ns[0] = ns_since(t0) - oc.ns[1];  // the seeds are their own phase
   a.bind = gov_obj.cast<const Governor&>().hook_owners && P.tensor_hooks;
   run_applied(a, &oc);
   return want_stats ? oc.stats() : py::none();
