@@ -36,11 +36,10 @@ tests/ for doctests); the worker imports deepspeed.
 from __future__ import annotations
 
 import copy
-import json
-import os
 from typing import Any, Callable
 
 import torch
+from _ranks import deepspeed_rank, finish
 
 __all__ = ["STAGES", "VARIANTS", "MODES", "GAS", "MICRO_STEPS", "run_case", "main"]
 
@@ -147,12 +146,7 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
 
 def main() -> None:
     """One spawned rank: every case, results as JSON on stdout."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel("ERROR")
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = deepspeed_rank()
     linear = torch.nn.functional.linear
     results: dict[str, Any] = {}
     for stage in STAGES:
@@ -165,11 +159,8 @@ def main() -> None:
                     results[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 finally:
                     torch.nn.functional.linear = linear  # ZeRO-3 replaces it process-wide
-    # Stop gloo's threads before the interpreter exits: left running, one can
-    # abort the process at exit ("terminate called without an active exception").
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    print("RESULT " + json.dumps(results), flush=True)
+    finish(results)  # NOT the interpreter's teardown: tests/_ranks.py
 
 
 if __name__ == "__main__":  # graphscale comes from $PYTHONPATH (the spawning test puts the repo first)

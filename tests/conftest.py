@@ -24,6 +24,19 @@ except Exception:  # pragma: no cover - depends on the environment
 require_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
 
 
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per core, at most
+    MAX_WORKERS.  Every worker imports torch and DeepSpeed (about 1 GB each)
+    and the two-rank tests spawn two more processes; past four workers the
+    largest test file, not the core count, bounds the run.  Cores: those
+    this process may run on (a container's share, not the host's count)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _native_walker_ready() -> None:
     """Wait once, before the first test, for the native walker (unless

@@ -14,7 +14,6 @@ check can see it).  ZeRO 3 is refused (tests/test_audit.py).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import rank_results, run_ranks  # noqa: E402
+from _ranks import finish, rank_results, run_ranks  # noqa: E402
 from conftest import require_deepspeed  # noqa: E402
 
 GAS = {"A": 2, "B": 4}
@@ -113,9 +112,7 @@ def _worker() -> None:
             out[case] = _run(case)
         except Exception as exc:  # reported, not hidden: the test names it
             out[case] = {"error": f"{type(exc).__name__}: {exc}"}
-    print("RESULT " + json.dumps(out), flush=True)
-    sys.stdout.flush()
-    os._exit(0)
+    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])

@@ -51,14 +51,13 @@ gradient is compared too (FSDP2: ``param.grad.full_tensor()``, see below).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from _ranks import rank_results, run_ranks
+from _ranks import finish, rank_results, run_ranks
 
 import graphscale
 
@@ -219,8 +218,8 @@ def _worker() -> None:
                     out[key] = train_and_compare(wrapper, shape, mode, rank)
                 except Exception as exc:  # reported per case; the other cases still run
                     out[key] = {"error": f"{type(exc).__name__}: {exc}"}
-    torch.distributed.destroy_process_group()
-    print("RESULT " + json.dumps(out), flush=True)
+    torch.distributed.barrier()
+    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ DeepSpeed alone.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ except ImportError:  # run as a worker script: tests/ is not on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from conftest import ds_config, require_deepspeed
 from _functions import Boom
-from _ranks import rank_results, run_ranks
+from _ranks import deepspeed_rank, finish, rank_results, run_ranks
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -449,11 +448,7 @@ def test_zero_2_and_3_refuse_a_parameter_checkpointed_twice_in_one_backward(ds_d
 def _worker() -> None:
     """Entry point of one spawned rank: every two-rank case, with graphscale and
     with DeepSpeed alone; results as JSON on stdout."""
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel("ERROR")
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = deepspeed_rank()
     out = {}
     for case in TWO_RANK_CASES:
         for mode in ("graphscale", "deepspeed_alone"):
@@ -462,15 +457,8 @@ def _worker() -> None:
             print(f"{mode}/{case.id}: {out[f'{mode}/{case.id}']['status']} in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
     out["generation"] = generation()
-    # Stop gloo's threads before the interpreter exits: left running, one can
-    # abort the process at exit ("terminate called without an active exception").
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    print("RESULT " + json.dumps(out), flush=True)
-    # Even so, CI saw a rank abort at interpreter exit after printing its
-    # RESULT (DeepSpeed 0.19.5): leave without the interpreter's teardown.
-    sys.stderr.flush()
-    os._exit(0)
+    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
 
 
 @pytest.fixture(scope="module")
