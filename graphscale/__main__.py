@@ -1,4 +1,4 @@
-"""``python -m graphscale demo`` and ``python -m graphscale build``: the command line.
+"""``python -m graphscale demo``, ``build`` and ``env``: the command line.
 
 The only place in graphscale that prints (with ``graphscale/_native/_build.py``'s
 ``main``, which ``build`` runs, and the background build too); the library
@@ -24,6 +24,15 @@ def main(argv: list[str] | None = None) -> int:
         "where and how long; for Dockerfiles and CI, so that no run starts on the Python walker",
         add_help=False,
     )
+    env = sub.add_parser(
+        "env",
+        help="print what graphscale sees (Python, torch and CUDA, DeepSpeed and its drift checks, transformers, "
+        "accelerate, peft, the compiler, the native walker and its build log, the route, the native route's "
+        "self-test) as a block to paste into a bug report; exit status 1 when something a backward needs is "
+        "missing or refused",
+    )
+    env.add_argument("--wait", type=float, default=600.0, metavar="SECONDS",
+                     help="wait this long for a native walker build under way (default 600)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "build":
         from ._native import build_main
@@ -31,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         return build_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "env":
+        from ._env import report
+
+        text, ok = report(args.wait)
+        print(text)
+        return 0 if ok else 1
     if args.command == "demo":
         import importlib.util
 

@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = [
     "Adapter", "register", "registered", "group_type", "attach", "observe", "backward_leaves", "hook_owner",
-    "output_hooked", "audit_refusal", "audit_scale", "audit_window",
+    "output_hooked", "audit_refusal", "audit_scale", "audit_window", "environment",
 ]
 
 Leaf = Any  # a torch.Tensor; this module imports nothing (not even torch)
@@ -78,6 +78,11 @@ class Adapter:
     def output_hooked(self, tensor: Leaf) -> bool:
         """Whether one of this framework's output hooks sits on ``tensor`` itself."""
         return False
+
+    def environment(self) -> list[tuple[str, str, bool]]:
+        """Rows for ``python -m graphscale env``: (what, value, usable), e.g.
+        the framework's version and whether graphscale's checks of it pass."""
+        return []
 
     def audit_refusal(self, group: Any) -> str | None:
         """Why ``graphscale.audit`` cannot check ``group``'s gradients (a
@@ -213,3 +218,8 @@ def audit_scale(group: Any) -> float:
     for a in _adapters:
         scale *= a.audit_scale(group)
     return scale
+
+
+def environment() -> list[tuple[str, str, bool]]:
+    """Every adapter's rows for ``python -m graphscale env``, in registration order."""
+    return [row for adapter in _adapters for row in adapter.environment()]

@@ -276,7 +276,8 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
     audited at every micro-step and every boundary.
 
     Args:
-        rtol, atol: tolerances, as above.
+        rtol: relative tolerance, as above.
+        atol: absolute tolerance, as above.
         raise_on_error: raise :class:`AuditError` at the first failing
             backward or boundary, naming every failing group and parameter;
             with False, log a warning and keep them in ``handle.mismatches``

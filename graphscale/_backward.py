@@ -61,43 +61,22 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from . import _call, _native, _observe, _planning, _route, _running
 from ._call import ORIGINAL_BACKWARD, BackwardCall
+from ._failing import failing
+from ._hooks import post_hook as _post_hook  # (tests spy on it here)
 from ._observe import Laps
 from ._pyplan import PyPlan
 from ._snapshot import Reading, State, current
 from ._unreached import warn_unreached_groups
 
-__all__ = ["governed_backward", "patch"]
+__all__ = ["governed_backward", "patch", "run_top_level"]
 
 _log = logging.getLogger("graphscale")
-
-
-# ---------------------------------------------------------------- the hooks
-def _post_hook(mults: tuple[tuple[int, float], ...], laps: _observe.Laps | None) -> Callable[..., Any]:
-    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        out = list(grad_inputs)
-        for k, m in mults:
-            g = out[k]
-            if g is not None:
-                out[k] = g * m
-        return tuple(out)
-
-    if laps is None:
-        return hook
-    record, name = laps.record, laps.prefix + "hook calls"
-
-    def timed(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        t0 = time.perf_counter()
-        out = hook(grad_inputs, grad_outputs)
-        record(name, time.perf_counter() - t0)
-        return out
-
-    return timed
 
 
 # ---------------------------------------------------------------- the patch
@@ -149,11 +128,13 @@ def governed_backward(
     """``torch.autograd.backward`` with every owned leaf scaled by its group's
     factor (torch's own six parameters: the one function here that takes more
     than five)."""
-    if inputs is None and grad_variables is None:  # NOTE [ Nested backward ], natively, without reading the call
-        current_node = torch._C._current_autograd_node()
-        if current_node is not None and _route.nested_call(tensors, grad_tensors, retain_graph, create_graph,
-                                                           current_node):
-            return None
+    current_node = torch._C._current_autograd_node()
+    if current_node is not None:  # NOTE [ Nested backward ], natively, without reading the call
+        if inputs is None and grad_variables is None:
+            if _route.nested_call(tensors, grad_tensors, retain_graph, create_graph, current_node):
+                return None
+        else:
+            _route.declined("inputs=")
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     observer = _observe.observer()
     if observer is not None:
@@ -171,7 +152,8 @@ def _governed_backward(call: BackwardCall) -> None:
         return call.run(None)
     _enter()
     try:
-        return _run_top_level(call, state, laps)
+        with failing():  # NOTE [ A backward that raised ] in _failing.py
+            return run_top_level(call, state, laps, _native.load())
     finally:
         _leave()
 
@@ -196,7 +178,10 @@ class _Backward:
         self.call.run(_running.binding_for(self.reading, hooks, potential), seeds, self.laps)
 
 
-def _run_top_level(call: BackwardCall, state: State, laps: Laps | None) -> None:
+def run_top_level(call: BackwardCall, state: State, laps: Laps | None, native: Any) -> None:
+    """The top-level backward ``call`` governed by ``state``: through the
+    native module ``native`` where it takes it (NOTE [ Which route governs a
+    backward ] in _route.py), else on the Python route here."""
     if state.pending:  # NOTE [ FSDP2's backward leaves ] in _fsdp.py
         state = state.ready()
     if call.roots is None:
@@ -204,9 +189,11 @@ def _run_top_level(call: BackwardCall, state: State, laps: Laps | None) -> None:
     scaling, default_carries = _running.engine_backward_frame()
     reading = state.read(scaling)  # may raise: nothing touched yet
     carries = _call.carries(call.roots, default_carries)
-    native = _native.load()
-    if native is not None and _route.usable(call) and _route.top_level(native, call, reading, carries, laps):
+    why = _route.decline_reason(call, native)
+    if why is None and _route.top_level(native, call, reading, carries, laps):
         return None  # NOTE [ One native call per backward ] in _native/walker.cpp
+    if why is not None:  # (a decline of the native call itself was counted there)
+        _route.declined(why)
     b = _Backward(call, reading, carries, laps)
     b.lap("prepare")
     t0 = time.perf_counter()
@@ -236,7 +223,7 @@ def _run_fast_path(b: _Backward, f: float, nested: float | None) -> None:
     scaled = sum(1 for m in mults if m != 1.0)
     if _observe.walks_recorded():  # no plan: the probe's time
         _observe.record_walk(0, b.walk_seconds, scaled)
-    if _log.isEnabledFor(logging.DEBUG):
+    if _log.isEnabledFor(logging.DEBUG) and not _observe.quiet():
         _log.debug(
             "graphscale: fast path, walked 0 nodes in %.1f us, %d multiplication(s) (root seeds x %g), "
             "factors %s; the time is the probe's, nothing was planned%s", b.walk_seconds * 1e6, scaled, f,
@@ -284,7 +271,7 @@ def _run_plan(b: _Backward, plan: Any) -> None:
             return b.run()
         b.lap("seeds")
     # else nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ])
-    if _log.isEnabledFor(logging.DEBUG):
+    if _log.isEnabledFor(logging.DEBUG) and not _observe.quiet():
         _debug_plan(b, plan, multiplications)
     handles = []
     try:

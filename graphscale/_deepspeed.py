@@ -1,7 +1,9 @@
-"""DeepSpeed adapter: the only modules that know about deepspeed are this one,
-``_deepspeed_engine.py`` (what graphscale changes on an engine: NOTE [
-DeepSpeed's two generations ], NOTE [ One lifecycle per backward ]) and
-``_deepspeed_checks.py`` (NOTE [ DeepSpeed drift ]); none imports deepspeed:
+"""DeepSpeed adapter: the only modules that know about deepspeed are this one
+and the ``_deepspeed_*.py`` beside it: ``_deepspeed_engine.py`` (what
+graphscale changes on an engine: NOTE [ DeepSpeed's two generations ], NOTE [
+One lifecycle per backward ]), ``_deepspeed_failed.py`` (NOTE [ Ending a
+failed ZeRO backward ]), ``_deepspeed_checks.py`` (NOTE [ DeepSpeed drift ]),
+``_deepspeed_hooks.py`` and ``_deepspeed_reads.py``; none imports deepspeed:
 they read ``sys.modules``.  This one defines an engine's group and registers
 the adapter with graphscale's registry (``_adapters.py``) at import.
 
@@ -31,10 +33,13 @@ import sys
 from typing import Any, Callable
 
 from . import _adapters
+from ._deepspeed_checks import TESTED, check_installed
 from ._deepspeed_engine import after_epilogue, attach, observe
 from ._deepspeed_hooks import is_output_hooked
 from ._deepspeed_reads import is_engine, scale_reader
+from ._errors import GraphscaleError
 from ._group import UNSET, Group
+from ._releases import newer_than_tested
 
 __all__ = ["EngineGroup", "loss_scale", "ADAPTER"]
 
@@ -121,6 +126,25 @@ class _DeepSpeedAdapter(_adapters.Adapter):
 
     def audit_window(self, group: Any) -> Any:
         return _EngineWindow(group.engine) if isinstance(group, EngineGroup) else None
+
+    def environment(self) -> list[tuple[str, str, bool]]:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            return [("DeepSpeed", "not installed", True)]
+        try:
+            import deepspeed  # noqa: F401 - the report imports what a user's script would
+            import deepspeed.runtime.engine  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - a DeepSpeed that does not import is the finding
+            return [("DeepSpeed", f"does not import: {type(exc).__name__}: {exc}", False)]
+        version = sys.modules["deepspeed"].__version__
+        newer = ", newer: the drift checks decide" if newer_than_tested("DeepSpeed", version) else ""
+        rows = [("DeepSpeed", f"{version} (tested: {TESTED}{newer})", True)]
+        try:
+            check_installed()
+        except GraphscaleError as exc:
+            return [*rows, ("DeepSpeed drift checks", f"FAILED: {exc}", False)]
+        return [*rows, ("DeepSpeed drift checks", "passed (hook manager, engine class)", True)]
 
 
 class _EngineWindow:

@@ -33,10 +33,12 @@ from typing import Any, Callable
 import torch
 
 from ._errors import GraphscaleError
+from ._releases import NEWEST_TESTED, warn_if_newer
 
-__all__ = ["check_engine", "TESTED"]
+__all__ = ["check_engine", "check_installed", "TESTED"]
 
-TESTED = "0.19.5 to 0.19.8"  # the DeepSpeed releases the suite runs on (README, "Works with")
+OLDEST_TESTED = "0.19.5"  # pyproject.toml's lower bound
+TESTED = f"{OLDEST_TESTED} to {NEWEST_TESTED['DeepSpeed']}"  # the releases the suite runs on (docs/works-with.md)
 
 _lock = threading.Lock()
 _passed: set[Any] = set()  # classes (hook manager, engine) whose checks passed
@@ -47,13 +49,17 @@ def _refuse(piece: str, what: str) -> GraphscaleError:
     return GraphscaleError(
         f"graphscale: DeepSpeed {version}: {piece} {what}. graphscale relies on it to govern engines "
         f"(NOTE [ DeepSpeed drift ]) and was tested with DeepSpeed {TESTED}: install one of those "
-        "(e.g. pip install 'deepspeed==0.19.8') or a graphscale that knows this release. No engine was installed."
+        f"(e.g. pip install 'deepspeed=={NEWEST_TESTED['DeepSpeed']}') or a graphscale that knows this release. "
+        "No engine was installed."
     )
 
 
 def check_engine(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]) -> None:
     """Raise GraphscaleError if ``engine``'s DeepSpeed lacks or changed an
-    internal the adapter relies on (NOTE [ DeepSpeed drift ])."""
+    internal the adapter relies on (NOTE [ DeepSpeed drift ]); warn once if
+    it is newer than tested (NOTE [ Newer releases ] in _releases.py)."""
+    warn_if_newer("DeepSpeed", getattr(sys.modules.get("deepspeed"), "__version__", "0"),
+                  "its engines are governed where graphscale's drift checks pass, refused where they fail", 4)
     utils = sys.modules.get("deepspeed.runtime.utils")
     manager_cls = getattr(utils, "OutputBackwardHookManager", None)
     if manager_cls is None:
@@ -66,6 +72,24 @@ def check_engine(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]
             _check_engine_class(type(engine))
             _passed.add(type(engine))
     _check_engine_instance(engine, scale_reader)
+
+
+def check_installed() -> None:
+    """Raise GraphscaleError if the imported DeepSpeed's hook manager or
+    engine class lacks or changed what the adapter relies on (the
+    class-level part of NOTE [ DeepSpeed drift ], no engine needed)."""
+    utils = sys.modules.get("deepspeed.runtime.utils")
+    engine_mod = sys.modules.get("deepspeed.runtime.engine")
+    manager_cls = getattr(utils, "OutputBackwardHookManager", None)
+    engine_cls = getattr(engine_mod, "DeepSpeedEngine", None)
+    if manager_cls is None or engine_cls is None:
+        raise _refuse("deepspeed.runtime.utils.OutputBackwardHookManager or deepspeed.runtime.engine.DeepSpeedEngine",
+                      "is missing")
+    with _lock:
+        for cls, check in ((manager_cls, _check_hook_manager), (engine_cls, _check_engine_class)):
+            if cls not in _passed:
+                check(cls)
+                _passed.add(cls)
 
 
 def _check_hook_manager(cls: type) -> None:
@@ -160,7 +184,10 @@ def _check_engine_class(cls: Any) -> None:
 
 def _check_engine_instance(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]) -> None:
     cls = type(engine).__name__
-    for attr in ("_running_engine_backward", "_manual_backward_expected", "optimizer", "module"):
+    # _is_gradient_accumulation_boundary: the override graphscale sets while it ends a failed backward
+    # (NOTE [ A backward that raised ] in _failing.py)
+    for attr in ("_running_engine_backward", "_manual_backward_expected", "_is_gradient_accumulation_boundary",
+                 "optimizer", "module"):
         if attr not in engine.__dict__ and not hasattr(engine, attr):
             raise _refuse(f"{cls} instance attribute {attr}", "is missing")
     gas = engine.gradient_accumulation_steps()

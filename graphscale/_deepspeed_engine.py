@@ -60,6 +60,39 @@ reads ``sys.modules``, never imports deepspeed.
 # would have is what the adapter watches), so the next backward reduces, as
 # it does after an interrupted engine.backward.  A reference pass (audit)
 # runs no prologue at all.
+#
+# NOTE [ Under compiled autograd ]
+# Compiled autograd lifts every hook into a graph that dynamo traces; it
+# traced DeepSpeed's output hook into the engine's prologue and on into
+# ZeRO's queue_callback, which dynamo refuses outside fullgraph=True
+# ("queue_callback() is only supported when Compiled Autograd is enabled
+# with fullgraph=True"): every engine backward failed there under
+# graphscale.  DeepSpeed alone fails the same way where its output is not
+# the loss (critic(engine(x)), measured); where it is (engine(x).sum()) it
+# got through only because dynamo dropped its prologue (ZeRO's backward
+# depth stayed 0, measured), so no epilogue was queued.  Under graphscale the prologue is shadowed on the instance by a
+# function of this module that, while compiled autograd is on, runs
+# DeepSpeed's prologue with dynamo disabled (torch._dynamo.disable: once per
+# backward, so its microsecond does not matter); and this module, the hook
+# descriptors (_deepspeed_hooks.py) and the task bindings (_running.py), like
+# every graphscale module but _hooks.py, are on dynamo's skip list (NOTE [
+# graphscale is not traced by dynamo ] in _dynamo.py): dynamo breaks its
+# graph at them and they run eagerly, on the real graph task, every step.  So the prologue runs once,
+# queues ZeRO's epilogue as in an uncompiled backward, and nothing per
+# backward is baked into a capture.  Measured (0.19.8, fp32 and bf16, four
+# micro-steps with step(), tests/test_compiled_autograd.py): exact against
+# plain PyTorch with torch's switch around engine.backward at ZeRO 1 and 2,
+# and with DeepSpeed's switch (compiled autograd inside engine.backward) at
+# ZeRO 1; the same captures as DeepSpeed alone.  Where DeepSpeed alone fails under
+# compiled autograd, graphscale refuses with the reason before the engine's
+# backward runs: engine.backward at ZeRO 3 (either switch; DeepSpeed alone:
+# "AssertionError: 1 != 2" in compiled autograd's sizes of the partitioned
+# parameters) and under DeepSpeed's switch at ZeRO 2 (dynamo: "sources must
+# not be empty for symbol"); a direct loss.backward() under torch's switch
+# (DeepSpeed's queued epilogue never runs: "KeyError: 0" at step()), at the
+# engine's prologue, before any of its gradients.  Not at install(): the
+# same engine's direct loss.backward() under DeepSpeed's switch runs
+# uncompiled (DeepSpeed compiles engine.backward's only) and is exact.
 """
 from __future__ import annotations
 
@@ -69,12 +102,13 @@ from typing import Any, Callable
 import torch
 
 from ._deepspeed_checks import check_engine
+from ._deepspeed_failed import end_failed_backward, refuse_next
 from ._deepspeed_hooks import PROLOGUE, SHADOWED, redirect_on
 from ._deepspeed_hooks import attached as _attached
 from ._deepspeed_reads import is_zero_optimizer, scale_reader
 from ._errors import GraphscaleError
 from ._observe import laps
-from ._running import CARRIES_ATTR, engine_backward
+from ._running import CARRIES_ATTR, compiled_autograd_active, eager, engine_backward
 
 __all__ = ["attach", "observe", "after_epilogue"]
 
@@ -83,12 +117,17 @@ _lock = threading.Lock()
 
 class _EngineAdapter:
     """Switches one engine's loss division off while it is installed
-    (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ])."""
+    (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ]).
+
+    ``open``: a governed prologue of this engine ran and its epilogue has not
+    yet; ``broken``: what ending a failed backward raised (NOTE [ Ending a
+    failed ZeRO backward ] in _deepspeed_failed.py), else None; ``ended``:
+    graphscale ended a failed backward and no governed prologue ran since."""
+
+    broken: str | None
 
     def __init__(self, engine: Any) -> None:
-        self.refs = 0
-        self.active = False
-        self.engine = engine
+        self.refs, self.active, self.engine = 0, False, engine
         cls = type(engine)
         deepspeeds_backward = cls.backward.__get__(engine, cls)
         deepspeeds_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
@@ -96,11 +135,13 @@ class _EngineAdapter:
         sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
         if any(n in engine.__dict__ for n in (PROLOGUE, *SHADOWED)):
             raise GraphscaleError(
-                "graphscale: this engine's backward, scale, _backward_epilogue or _backward_prologue_per_tensor "
-                "is already replaced on the instance (by another tool?); graphscale cannot govern it safely."
+                "graphscale: this engine's backward, scale, _backward_prologue, _backward_epilogue or "
+                "_backward_prologue_per_tensor is already replaced on the instance (by another tool?); "
+                "graphscale cannot govern it safely."
             )
         deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
-        self.open = False  # a governed prologue of this engine ran and its epilogue has not yet
+        self.deepspeeds_prologue = cls._backward_prologue.__get__(engine, cls)
+        self.open, self.broken, self.ended = False, None, False  # (class docstring)
         adapter = self
 
         self.after_epilogue: list[Callable[[], None]] = []  # run once, after DeepSpeed's next epilogue
@@ -115,8 +156,10 @@ class _EngineAdapter:
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
                 return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            refuse_compiled_autograd(engine, "graphscale: engine.backward")  # (when compiled autograd is on)
             timed = laps()
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
+            running = getattr(engine, "_running_engine_backward", False)
             try:
                 with engine_backward(scale_wrt_gas, read_scale(), (engine, loss)):
                     if timed:
@@ -127,6 +170,7 @@ class _EngineAdapter:
             finally:
                 if sticky_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
                     engine._scale_wrt_gas = scale_wrt_gas
+                    engine._running_engine_backward = running  # (left True when its backward raised)
             if timed:
                 timed("adapter")
             return gas_scaled
@@ -140,28 +184,56 @@ class _EngineAdapter:
             return scaled
 
         backward.__doc__ = deepspeeds_backward.__doc__
-        self.backward = backward
+        self.backward, self.epilogue = backward, epilogue
         self.scale = scale if deepspeeds_scale is not None else None
-        self.epilogue = epilogue
 
-    def prologue_starts(self) -> None:
+    def prologue(self) -> None:
+        """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
+        eagerly under compiled autograd (NOTE [ Under compiled autograd ])."""
+        if not compiled_autograd_active():
+            return self.deepspeeds_prologue()
+        if self.active and not getattr(self.engine, "_running_engine_backward", False):
+            refuse_compiled_autograd(self.engine, "graphscale: a direct loss.backward()", direct=True)
+        eager(self.deepspeeds_prologue)()
+
+    def prologue_starts(self, on_failure: list[Callable[[], None]]) -> None:
         """A governed backward runs this engine's prologue now (NOTE [ One
-        lifecycle per backward ]): first take back the ZeRO backward depth of
-        a governed prologue whose backward raised before its epilogue."""
+        lifecycle per backward ]); ``on_failure``: that backward's list of
+        NOTE [ A backward that raised ] (in _failing.py), which gets
+        :meth:`backward_failed`.  First take back the ZeRO backward depth of a
+        governed prologue whose backward ended without its epilogue (where
+        :meth:`backward_failed` could not run it)."""
         engine = self.engine
+        if self.ended or self.broken is not None:  # after graphscale ended a failed backward
+            self.ended = False
+            refuse_next(engine, self.broken)  # (every time, once ending one raised)
         if self.open:
             opt: Any = getattr(engine, "optimizer", None)
             if is_zero_optimizer(opt) and opt._backward_active_depth > 0:
                 opt.exit_backward()
         self.open = True
+        on_failure.append(self.backward_failed)
         if not getattr(engine, "_running_engine_backward", False) and self.read_scale() != 1.0:
             # A direct backward: graphscale applies the loss scale (NOTE [ fp16 engines ]), which
             # DeepSpeed's epilogue checks was done.
             engine._manual_backward_expected = True
 
+    def backward_failed(self) -> None:
+        """NOTE [ A backward that raised ] in _failing.py: the governed backward
+        that ran this engine's prologue raised before its epilogue; end it now
+        (NOTE [ Ending a failed ZeRO backward ] in _deepspeed_failed.py)."""
+        if self.open:  # (else the epilogue ran: the error came after it)
+            self.open, self.ended = False, True
+            try:
+                end_failed_backward(self.engine, self.epilogue)
+            except Exception as err:  # becomes a note on the user's error (_failing.py)
+                self.broken = f"{type(err).__name__}: {err}"
+                raise
+
     def enable(self) -> None:
         self.engine.backward = self.backward
         self.engine._backward_epilogue = self.epilogue
+        self.engine._backward_prologue = self.prologue
         if self.scale is not None:
             self.engine.scale = self.scale
         self.active = True
@@ -170,6 +242,33 @@ class _EngineAdapter:
         self.active = False
         for name in SHADOWED:
             self.engine.__dict__.pop(name, None)
+
+
+def refuse_compiled_autograd(engine: Any, where: str, direct: bool = False) -> None:
+    """NOTE [ Under compiled autograd ]: what fails there in DeepSpeed alone is
+    refused before the engine's part of the backward runs, with the reason."""
+    switch = getattr(engine, "_is_compiled_autograd_enabled", False)
+    if not (direct or switch or compiled_autograd_active()):
+        return
+    stage = engine.zero_optimization_stage()
+    if direct:
+        why = ("DeepSpeed's post-backward epilogue, which a direct backward queues with queue_callback, does not run "
+               "under compiled autograd, so the gradients are never reduced (DeepSpeed 0.19.8 alone: KeyError: 0 in "
+               "step(), measured at ZeRO 1 and 2).  Fix: call engine.backward(loss), which runs the epilogue itself")
+    elif stage == 3:
+        why = ("DeepSpeed 0.19.8 alone fails there mid-backward (compiled autograd's dynamic sizes do not match ZeRO "
+               "3's partitioned parameters: 'AssertionError: 1 != 2', measured).  Fix: leave compiled autograd off "
+               "for this engine (engine.compile() without compiled_autograd_enabled still compiles its forward), "
+               "or use ZeRO 1 or 2")
+    elif stage == 2 and switch:
+        why = ("DeepSpeed 0.19.8 alone fails there mid-backward (dynamo: 'sources must not be empty for symbol', "
+               "measured).  Fix: engine.compile() without compiled_autograd_enabled, torch's own compiled autograd "
+               "around engine.backward (exact at ZeRO 1 and 2), or ZeRO 1")
+    else:
+        return
+    raise GraphscaleError(f"{where} of a ZeRO {stage} engine under compiled autograd "
+                f"({'engine.compile(compiled_autograd_enabled=True)' if switch else 'torch'}): {why}.  "
+                "Nothing of this engine's backward ran.")
 
 
 def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:

@@ -17,7 +17,8 @@ from ._running import governing_binding, task_binding
 __all__ = ["attached", "is_output_hooked", "redirect_on", "PROLOGUE", "SHADOWED"]
 
 attached: dict[int, Any] = {}  # id(engine) -> its _deepspeed_engine._EngineAdapter, while installed
-SHADOWED = ("backward", "scale", "_backward_epilogue")  # what an adapter puts on its engine instance
+# what an adapter puts on its engine instance
+SHADOWED = ("backward", "scale", "_backward_epilogue", "_backward_prologue")
 
 
 # ---------------------------------------------------------------- the output-hook redirect
@@ -119,7 +120,7 @@ class _PrologueOncePerBackward:
         binding.once.add(id(engine))  # the manager runs the engine's prologue next
         adapter = attached.get(id(engine))
         if adapter is not None:
-            adapter.prologue_starts()
+            adapter.prologue_starts(binding.on_failure)
 
 
 _REDIRECT = _PerTensorRedirect()

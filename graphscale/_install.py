@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import _adapters, _backward, _native, _planning, _route, _snapshot
+from . import _adapters, _backward, _dynamo, _native, _planning, _releases, _route, _selftest, _snapshot
 from ._group import Group
 
 __all__ = ["Installation", "install"]
@@ -111,6 +111,9 @@ def _refresh() -> None:
         _route.governor(native, state)
     _snapshot.set_current(state)
     _backward.patch(True)
+    _selftest.require_python_route()  # NOTE [ Newer releases ]: once per process; raises where it fails
+    if native is not None and _route.enabled:
+        _route.self_test(native)  # NOTE [ The native route's self-test ]: once per process, before any backward
 
 
 def install(*groups: Any, unowned: str = "plain_params") -> Installation:
@@ -167,7 +170,10 @@ def install(*groups: Any, unowned: str = "plain_params") -> Installation:
     _snapshot.check_policy(unowned, "install")
     if not groups:
         raise ValueError("graphscale: install() needs at least one Group or DeepSpeed engine.")
+    _releases.warn_if_newer("torch", torch.__version__, "the install-time self-test of both routes decides whether "
+                            "it is governed, and on which route")
     _native.prepare()  # NOTE [ No backward waits for a compiler ]: cached load, or a background build
+    _dynamo.keep_out()  # NOTE [ graphscale is not traced by dynamo ]
     with _lock:
         detachers: list[Any] = []
         try:

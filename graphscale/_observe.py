@@ -8,6 +8,11 @@ Three kinds, each a stack of context managers that nest and restore (like
 * walk recorders, ``record(nodes, seconds, multiplications)``: every walked
   plan, or the fast path's probe (:func:`record_walk`; public as
   ``graphscale.observe.walks``);
+* route recorders, ``record(route, reason)``: which route governed each
+  backward, ``"native"`` or ``"python"`` with the reason the native route
+  did not take it (:func:`record_route`; public as
+  ``graphscale.observe.routes``); the Python route's backwards are also
+  counted by reason for the whole process (:func:`declines`);
 * the backward observer (``graphscale.audit``): wraps every top-level
   governed backward, ``observer(run, *backward_args)`` calls
   ``run(*backward_args)`` once; the innermost one applies.
@@ -22,10 +27,12 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["recording_phases", "recording_walks", "observing", "observer", "laps", "record_walk", "Laps"]
+__all__ = ["recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
+           "record_walk", "record_route", "routes_recorded", "declines", "unrecorded", "quiet", "Laps"]
 
 PhaseRecorder = Callable[[str, float], None]
 WalkRecorder = Callable[[int, float, int], None]
+RouteRecorder = Callable[[str, "str | None"], None]
 
 _lock = threading.Lock()
 
@@ -40,7 +47,9 @@ class _Stack:
         self.items: tuple[Any, ...] = ()
 
 
-_phases, _walks, _observers = _Stack(), _Stack(), _Stack()
+_phases, _walks, _routes, _observers = _Stack(), _Stack(), _Stack(), _Stack()
+_declined: dict[str, int] = {}  # reason -> backwards the Python route took for it, in this process
+_quiet = threading.local()  # .on: this thread's backwards are graphscale's own (the route self-test)
 
 
 class _Pushed:
@@ -86,6 +95,53 @@ def recording_walks(record: WalkRecorder) -> _Pushed:
     walked plan (nodes walked, seconds to walk and plan, multiplications it
     places); the fast path reports ``(0, seconds_to_probe, seeds_scaled)``."""
     return _Pushed(_walks, record)
+
+
+def recording_routes(record: RouteRecorder) -> _Pushed:
+    """Within the block, ``record(route, reason)`` sees every governed
+    backward: ``("native", None)``, or ``("python", reason)`` (NOTE [ Which
+    route governs a backward ] in _route.py)."""
+    return _Pushed(_routes, record)
+
+
+def record_route(route: str, reason: str | None) -> None:
+    """One governed backward took ``route`` (for ``reason``, on the Python
+    route): counted there, and told to every active route recorder."""
+    if getattr(_quiet, "on", False):
+        return
+    if reason is not None:
+        with _lock:
+            _declined[reason] = _declined.get(reason, 0) + 1
+    for record in _routes.items:
+        record(route, reason)
+
+
+def routes_recorded() -> bool:
+    """Whether any route recorder is active."""
+    return bool(_routes.items)
+
+
+def quiet() -> bool:
+    """Whether this thread's backwards are graphscale's own (recorded and logged nowhere)."""
+    return getattr(_quiet, "on", False)
+
+
+def declines() -> dict[str, int]:
+    """How many governed backwards the Python route took in this process, by reason."""
+    with _lock:
+        return dict(_declined)
+
+
+class unrecorded:
+    """Within the block, this thread's backwards are recorded and logged
+    nowhere (the native route's self-test runs graphscale's own)."""
+
+    def __enter__(self) -> None:
+        self.was = getattr(_quiet, "on", False)
+        _quiet.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _quiet.on = self.was
 
 
 def observing(observer_fn: Callable[..., None]) -> _Pushed:

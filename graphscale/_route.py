@@ -5,16 +5,73 @@ that call does.  Python keeps what only Python can read (the call's
 arguments, every group's factor, what the seeds carry) and the observation
 points; the rest — decide, walk, plan, scale the seeds, hook, bind, register
 for nested backwards, run the original, take it all back — is native.  The
-native call declines (returns NotImplemented, touching nothing) what the
-Python route handles (``_backward.py``), which stays the exact reference:
+Python route (``_backward.py``) stays the exact reference:
 ``GRAPHSCALE_ROUTE=python`` in the environment (or ``enabled = False`` here)
 runs every backward through it, with the native walker's plans;
 ``GRAPHSCALE_WALKER=python`` with the Python walker's too.
+
+# NOTE [ Which route governs a backward ]
+# The native route governs every backward it can; the Python route takes
+# the rest, touching the same leaves with the same factors.  Each backward
+# the native route does not take is counted by reason
+# (graphscale.observe.declines(), graphscale.observe.routes()), so which
+# route governed it is never a guess, and the DEBUG log is written by both
+# (it changes no route).  The reasons:
+#   "GRAPHSCALE_ROUTE=python"  the environment (or a test) asked for Python;
+#   "native walker not ready"  still building, or failed (NOTE [ No backward
+#                              waits for a compiler ] in _native/__init__.py);
+#   "self-test failed"         NOTE [ The native route's self-test ] below;
+#   "compiled autograd"        torch's compiled autograd is on (its own
+#                              _enable, torch._dynamo.config.compiled_autograd
+#                              under torch.compile, or DeepSpeed's
+#                              compile(compiled_autograd_enabled=True)).
+#                              Compiled autograd asks every node hook for
+#                              compiled_args and lifts it into its graph as a
+#                              Python callable; a C++ hook (ScaleHook,
+#                              BindHook) has neither, and one that had them
+#                              would be a Python hook again, through a C++
+#                              interface torch changes between releases.  The
+#                              Python route's hooks are what compiled
+#                              autograd lifts (one capture, then replayed), so
+#                              it takes these backwards whole;
+#   "inputs="                  the Python route pins inputs= leaves;
+#   "call"                     roots or seeds the native call cannot read (an
+#                              iterable torch reads once, an edge's implicit
+#                              seed, a root that needs no grad);
+#   "seed"                     a seed it cannot make (torch raises its own
+#                              error through the Python route);
+#   "factors"                  more than 64 distinct factors;
+#   "python plan running"      a nested backward inside a backward the Python
+#                              route planned;
+#   "python binding"           a nested backward in a task the Python route
+#                              bound.
+# Declines cost the native route nothing: a native backward counts nothing.
+#
+# NOTE [ The native route's self-test ]
+# The native route is a second implementation of the governed backward, built
+# against whichever torch the user runs.  Before it governs anything (at
+# install when the build is cached, else at the first backward after the
+# background build lands) it runs a tiny fixed program through both routes
+# and plain PyTorch: two groups (GAS 2 and 4) in a mixed graph, the fast
+# path, each with a reentrant checkpoint (a nested backward) and an unowned
+# Parameter.  Power-of-two factors make the governed gradients exact
+# multiples of the plain ones, so both routes must match plain x factor bit
+# for bit.  A mismatch, or an exception from the native route, switches the
+# native route off for the process with ONE warning naming torch's version
+# and the failing piece; every backward then takes the Python route
+# (reason "self-test failed").  About 5 ms, once per process (measured),
+# plus what the process's first governed backward pays anyway: torch's check
+# of a given seed imports sympy on first use (~0.6 s, torch's own).  The
+# Python route's half also runs alone at the first install() of every
+# process, native walker or not; where it fails, install() is refused
+# (_selftest.require_python_route, NOTE [ Newer releases ] in _releases.py).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -26,10 +83,12 @@ from ._call import BackwardCall
 from ._hints import checkpoint_hint_positions
 from ._observe import Laps
 from ._planning import native_owners
+from ._running import compiled_autograd_active
 from ._snapshot import Reading, State
 from ._unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "bind", "usable", "governor", "top_level", "nested_call"]
+__all__ = ["ROUTE_ENV", "enabled", "bind", "decline_reason", "declined", "governor", "top_level", "nested_call",
+           "trusted", "self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -41,11 +100,27 @@ _configured: Any = None  # the native module the process-wide registry was hande
 _PHASES = ("walk+plan", "seeds", "hooks on", "bind", "hook calls", "hooks off")
 
 
-def usable(call: BackwardCall) -> bool:
-    """Whether the native route may take ``call``: switched on, no ``inputs=``
-    (the Python route pins them), no debug log to write (the Python route
-    writes it)."""
-    return enabled and not call.inputs and call.roots is not None and not _log.isEnabledFor(logging.DEBUG)
+def decline_reason(call: BackwardCall, native: Any) -> str | None:
+    """Why the native route must not take the top-level backward ``call``
+    (NOTE [ Which route governs a backward ]), or None: it may."""
+    if compiled_autograd_active():
+        return "compiled autograd"
+    if native is _passed and native is not None and enabled and not call.inputs:
+        return None  # the usual case: one identity check for the self-test's verdict
+    if not enabled:
+        return ROUTE_ENV + "=python"
+    if native is None:
+        return "native walker not ready"
+    if call.inputs:
+        return "inputs="
+    if not trusted(native):
+        return "self-test failed"
+    return None
+
+
+def declined(reason: str) -> None:
+    """Count one backward the Python route takes for ``reason``."""
+    _observe.record_route("python", reason)
 
 
 def governor(native: Any, state: State) -> Any:
@@ -72,22 +147,28 @@ def governor(native: Any, state: State) -> Any:
     return gov
 
 
-def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None) -> bool:
+def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, describe: Any = None) -> bool:
     """``fn(*args, want_stats)``, one native call, and what it measured handed
-    to the active recorders; False when it declined (touched nothing)."""
-    want = laps is not None or _observe.walks_recorded()
+    to the active recorders and the DEBUG log; False when it declined (touched
+    nothing; the decline is counted)."""
+    debug = _log.isEnabledFor(logging.DEBUG) and not _observe.quiet()
+    want = laps is not None or debug or _observe.walks_recorded()
     if laps:
         laps("prepare")
     out = fn(*args, want)
-    if out is NotImplemented:
+    if out.__class__ is str:  # declined, with its reason
+        declined(out)
         return False
     if want:
-        _observed(out, laps)
+        _observed(out, laps, describe if debug else None)
+    if _observe.routes_recorded():
+        _observe.record_route("native", None)
     return True
 
 
-def _observed(stats: Any, laps: Laps | None) -> None:
-    """Hand what the native call measured to the active recorders."""
+def _observed(stats: Any, laps: Laps | None, describe: Any) -> None:
+    """Hand what the native call measured to the active recorders and, where
+    ``describe`` says what governed it, the DEBUG log."""
     kind, nodes, mults, *ns = stats
     if kind and _observe.walks_recorded():
         _observe.record_walk(nodes if kind == 2 else 0, ns[0] * 1e-9, mults)
@@ -95,6 +176,9 @@ def _observed(stats: Any, laps: Laps | None) -> None:
         for name, t in zip(_PHASES, ns):
             laps.record(laps.prefix + name, t * 1e-9)
         laps.skip()
+    if describe is not None and kind:
+        _log.debug("graphscale: %swalked %d nodes in %.1f us, %d multiplication(s)%s, native route, native walker",
+                   "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, describe())
 
 
 def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[float], laps: Laps | None) -> bool:
@@ -104,8 +188,16 @@ def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[f
     gov = governor(native, state)
     factors = [reading.factors[g] for g in state.groups]
     assert call.grads is not None
+
+    def describe() -> str:
+        return ", factors " + str(sorted({f"{g.name}={f:g}" for g, f in reading.factors.items()}))
+
     return _native_call(gov.top, (call.roots, list(call.grads), factors, carries, reading,
-                                  (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps)
+                                  (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps, describe)
+
+
+def _nested_described() -> str:
+    return ", nested"
 
 
 def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
@@ -116,18 +208,27 @@ def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, crea
     tuple or list of them; seeds None, a tensor, or a tuple or list of them;
     no ``inputs=``): the call a reentrant checkpoint makes once per block,
     read without building a :class:`BackwardCall`.  False: not taken
-    (nothing touched); the Python route takes it."""
-    if not enabled or _configured is None:
+    (nothing touched; the decline counted); the Python route takes it."""
+    if not enabled:
+        declined(ROUTE_ENV + "=python")
+        return False
+    if _configured is None:
+        declined("native walker not ready")
+        return False
+    if compiled_autograd_active():
+        declined("compiled autograd")
         return False
     native = _native.load()
-    if native is not _configured or _log.isEnabledFor(logging.DEBUG):
+    if native is not _configured or not trusted(native):
+        declined("self-test failed" if native is _configured else "native walker not ready")
         return False
     if isinstance(tensors, (torch.Tensor, GradientEdge)):
         roots: Any = (tensors,)
     elif type(tensors) in (tuple, list):
         roots = tuple(tensors)
     else:
-        return False  # an iterable torch reads once: the Python route reads it
+        declined("call")  # an iterable torch reads once: the Python route reads it
+        return False
     if grad_tensors is None:
         grads: Any = [None] * len(roots)
     elif isinstance(grad_tensors, torch.Tensor):
@@ -135,6 +236,57 @@ def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, crea
     elif type(grad_tensors) in (tuple, list):
         grads = list(grad_tensors)
     else:
+        declined("call")
         return False
     return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None, bind)),
-                        _observe.laps(nested=True))
+                        _observe.laps(nested=True), _nested_described)
+
+
+# ---------------------------------------------------------------- the self-test's verdict
+_trust_lock = threading.RLock()
+_verdicts: dict[int, tuple[Any, bool]] = {}  # id(native module) -> (the module, whether it passed)
+_testing = threading.local()  # .native: the module this thread's self-test runs
+_self_test: Any = None  # graphscale._selftest.failure, registered from above at import (it runs both routes)
+_passed: Any = None  # the last native module that passed (decline_reason's fast check)
+
+
+def trusted(native: Any) -> bool:
+    """Whether ``native`` passed NOTE [ The native route's self-test ] (run
+    once per module, here if it has not run)."""
+    verdict = _verdicts.get(id(native))
+    if verdict is not None and verdict[0] is native:
+        return verdict[1]
+    if getattr(_testing, "native", None) is native:
+        return True  # the self-test's own native backwards
+    return self_test(native)
+
+
+def self_test(native: Any) -> bool:
+    """NOTE [ The native route's self-test ]: run it for ``native`` (once;
+    later calls return the verdict) and return whether the native route may
+    govern backwards."""
+    global _passed
+    with _trust_lock:
+        verdict = _verdicts.get(id(native))
+        if verdict is not None and verdict[0] is native:
+            return verdict[1]
+        if compiled_autograd_active() or torch.autograd.backward is _call.ORIGINAL_BACKWARD:
+            return False  # not now: its backwards would be captured, or its nested one not governed
+        _testing.native = native
+        try:
+            with _observe.unrecorded():  # the self-test's backwards are no user's
+                failed = _self_test(native) if _self_test is not None else "the self-test is not loaded"
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the Python route is the safe one
+            failed = f"{type(exc).__name__}: {exc}"
+        finally:
+            _testing.native = None
+        if failed is not None:
+            warnings.warn(
+                f"graphscale: the native route failed its self-test on torch {torch.__version__} ({failed}); "
+                "every backward takes the Python route (exact, slower).  Please report this with "
+                "`python -m graphscale env`.", RuntimeWarning, stacklevel=2)
+            _log.warning("graphscale: native route off: self-test failed on torch %s: %s", torch.__version__, failed)
+        _verdicts[id(native)] = (native, failed is None)
+        if failed is None:
+            _passed = native
+        return failed is None

@@ -11,21 +11,24 @@
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from . import _adapters
+from ._failing import innermost
 from ._snapshot import Reading, State
 
 __all__ = [
     "engine_backward", "engine_backward_frame",
     "engine_backward_caller", "gas_scaling_enabled", "CARRIES_ATTR", "Binding", "binding_for",
     "bound", "task_binding", "task_reading", "governing_binding", "Running", "running_plan", "running",
+    "compiled_autograd_active", "eager",
     "find_enclosing", "enclosing_phi",
 ]
 
@@ -129,15 +132,18 @@ class Binding:
     _backward.py) where no plan of it exists, the ``potential`` everything in
     it carries, from which a nested backward is planned (None: nested
     backwards are left alone); ``once``/``reference``: NOTE [ Once per
-    backward ].  Made on the thread that calls the backward: a nested
+    backward ]; ``on_failure``: NOTE [ A backward that raised ] in
+    _failing.py.  Made on the thread that calls the backward: a nested
     backward's binding joins the one of the task running there."""
 
-    __slots__ = ("reading", "potential", "once", "reference", "native")
+    __slots__ = ("reading", "potential", "once", "on_failure", "reference", "native")
 
     def __init__(self, reading: Reading, potential: float | None = None, reference: bool = False) -> None:
         self.reading, self.potential = reading, potential
         enclosing = task_binding()
         self.once: set[Any] = set() if enclosing is None else enclosing.once
+        # NOTE [ A backward that raised ] in _failing.py: shared like ``once``
+        self.on_failure: list[Callable[[], None]] = enclosing.on_failure if enclosing is not None else innermost()
         self.reference: bool = reference or (enclosing is not None and enclosing.reference)
         self.native: Any = None  # the native route's reading of it (NOTE [ One native call per backward ])
 
@@ -289,3 +295,20 @@ def enclosing_phi(node: Any) -> float | None:
     """The potential a running plan gave ``node``, or None where none saw it."""
     found = find_enclosing(node)
     return None if found is None else found[1]
+
+
+# ---------------------------------------------------------------- compiled autograd
+def compiled_autograd_active() -> bool:
+    """Whether torch's compiled autograd captures a backward started now (its
+    own ``_enable``, ``torch._dynamo.config.compiled_autograd`` under
+    ``torch.compile``, or DeepSpeed's ``compile(compiled_autograd_enabled=True)``
+    inside ``engine.backward``): NOTE [ Which route governs a backward ] in
+    _route.py.  One dict read while dynamo was never imported."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
+def eager(fn: Any) -> Any:
+    """``fn`` run with dynamo off for its whole extent (compiled autograd is on,
+    so dynamo is imported): NOTE [ Under compiled autograd ] in _deepspeed_engine.py."""
+    return torch._dynamo.disable(fn)

@@ -20,9 +20,10 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 from . import _native
-from ._observe import PhaseRecorder, WalkRecorder, recording_phases, recording_walks
+from ._observe import PhaseRecorder, RouteRecorder, WalkRecorder, recording_phases, recording_routes, recording_walks
+from ._observe import declines as _declines
 
-__all__ = ["phases", "walks", "walker"]
+__all__ = ["phases", "walks", "routes", "declines", "walker"]
 
 
 def phases(record: PhaseRecorder) -> AbstractContextManager[None]:
@@ -42,6 +43,38 @@ def walks(record: WalkRecorder) -> AbstractContextManager[None]:
     multiplications placed); a fast-path backward reports ``(0,
     seconds_to_probe, seeds_scaled)``.  Blocks nest."""
     return recording_walks(record)
+
+
+def routes(record: RouteRecorder) -> AbstractContextManager[None]:
+    """Within the block, ``record(route, reason)`` is called for every
+    governed backward (nested ones included): ``("native", None)`` where the
+    native route governed it, else ``("python", reason)`` with the reason the
+    native route did not take it, one of ``"GRAPHSCALE_ROUTE=python"``,
+    ``"native walker not ready"``, ``"self-test failed"``, ``"compiled
+    autograd"``, ``"inputs="``, ``"call"``, ``"seed"``, ``"factors"``,
+    ``"python plan running"``, ``"python binding"`` (docs/native-walker.md,
+    "Which route governed a backward", says what each means).  Both routes give the same gradients; this
+    says which one ran.  Blocks nest.
+
+        >>> import torch, graphscale
+        >>> from graphscale import observe
+        >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        >>> seen = []
+        >>> with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(b, gas=4)):
+        ...     with observe.routes(lambda route, reason: seen.append(route)):
+        ...         x = torch.ones(1, 2, requires_grad=True)
+        ...         (a(x) + b(x)).sum().backward(inputs=[a.weight, b.weight])
+        >>> seen
+        ['python']
+    """
+    return recording_routes(record)
+
+
+def declines() -> dict[str, int]:
+    """How many governed backwards in this process the native route did not
+    take, by reason (see :func:`routes`); the Python route governed them,
+    exactly.  Empty while every backward was native."""
+    return _declines()
 
 
 def walker(timeout: float | None = None) -> str:

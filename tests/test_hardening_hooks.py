@@ -1,5 +1,5 @@
 """Other hooks next to graphscale's: what each one sees, as documented in
-README.md, section "Hooks and what they see".
+docs/hooks.md, "Hooks and what they see".
 
 The oracle is always the same graph backpropagated by plain PyTorch
 (``torch.autograd.grad``, which graphscale leaves alone), with the same user

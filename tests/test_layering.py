@@ -19,8 +19,8 @@ PKG = Path(__file__).resolve().parent.parent / "graphscale"
 
 # Bottom first.  A module may import only modules on lower layers.
 LAYERS: list[tuple[str, ...]] = [
-    ("_errors", "_adapters", "_observe", "_table"),
-    ("_walk", "_native._build"),
+    ("_errors", "_adapters", "_observe", "_table", "_dynamo", "_releases", "_failing"),
+    ("_walk", "_native._build", "_hooks"),
     ("_native", "_plan", "_group"),
     ("_snapshot",),
     ("_running", "_request", "_hints"),
@@ -28,22 +28,25 @@ LAYERS: list[tuple[str, ...]] = [
     ("_planning",),
     ("_route",),
     ("_backward",),
+    ("_selftest",),
     ("_install", "_explained", "_leaf_rows", "observe"),
     ("_audit_windows",),
-    ("_explain", "_audit", "_diagnose"),
+    ("_explain", "_audit", "_diagnose", "_env"),
     ("_demo",),
     # the adapters: above everything they plug into
     ("_deepspeed_reads", "_fsdp"),
-    ("_deepspeed_checks", "_deepspeed_hooks"),
+    ("_deepspeed_checks", "_deepspeed_hooks", "_deepspeed_failed"),
     ("_deepspeed_engine",),
     ("_deepspeed",),
     ("__init__",),
     ("__main__",),
 ]
-ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_hooks", "_deepspeed_checks", "_deepspeed_reads", "_fsdp"}
+ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_hooks", "_deepspeed_checks", "_deepspeed_reads", "_fsdp",
+            "_deepspeed_failed"}
 CORE_AND_TOOLS = {"_group", "_snapshot", "_running", "_request", "_hints", "_call", "_pyplan", "_planning",
                   "_backward", "_plan", "_walk", "_install", "_explain", "_explained", "_audit", "_demo",
-                  "_table", "_observe", "_leaf_rows", "_audit_windows", "_diagnose", "_route", "_unreached"}
+                  "_table", "_observe", "_leaf_rows", "_audit_windows", "_diagnose", "_route", "_unreached", "_dynamo",
+                  "_hooks", "_selftest", "_env", "_releases", "_failing"}
 # The functions that take torch.autograd.backward's own six parameters.
 TORCH_SIGNATURE = {("_backward.py", "governed_backward"), ("_call.py", "of"), ("_diagnose.py", "_backward")}
 MAX_MODULE_LINES = 350

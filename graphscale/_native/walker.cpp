@@ -978,10 +978,13 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
 // graphscale/_running.py), registers the plan for nested backwards, calls
 // the original torch.autograd.backward, and takes every hook, binding and
 // registration back in a destructor (Undo), on every exit.  It declines
-// (returns NotImplemented, having touched nothing) what the Python route
-// handles: inputs=, a seed it cannot make, more than 64 factors, a running
-// plan that is not native, a nested backward in a task bound without a
-// native reading.  Same decisions, same plans, same seeds as the Python
+// (returns the reason as a short str, having touched nothing) what the
+// Python route handles: a call it cannot read ("call"), a seed it cannot
+// make ("seed"), more than 64 factors ("factors"), a running plan that is
+// not native ("python plan running"), a nested backward in a task bound
+// without a native reading ("python binding").  Python declines before the
+// call what the native hooks cannot do (inputs=, compiled autograd: NOTE [
+// Which route governs a backward ] in graphscale/_route.py).  Same decisions, same plans, same seeds as the Python
 // route (tests/test_native_route.py runs the suite's graphs through both).
 
 // Process-wide Python objects the route needs (native.configure, once).
@@ -993,8 +996,12 @@ struct Registry {
   py::object call_module;  // graphscale._call: its ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
   py::object original() const { return call_module.attr("ORIGINAL_BACKWARD"); }  // read per call: tests spy on it
   py::object param_type;   // torch.nn.Parameter
-  py::object not_impl;
 };
+
+// A decline: the reason (a short str) the Python route takes the backward
+// for, having touched nothing (graphscale/_route.py counts it: NOTE [ Which
+// route governs a backward ] there).
+static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
 static void configure(py::object running, py::object running_cls, py::object binding_cls, py::object by_task,
@@ -1002,8 +1009,7 @@ static void configure(py::object running, py::object running_cls, py::object bin
   if (registry == nullptr) registry = new Registry();
   Py_XDECREF(module_type);
   module_type = module_type_.inc_ref().ptr();
-  *registry = Registry{running, running_cls, binding_cls, by_task, call_module, param_type,
-                       py::reinterpret_borrow<py::object>(Py_NotImplemented)};
+  *registry = Registry{running, running_cls, binding_cls, by_task, call_module, param_type};
 }
 
 // Tests: the ScaleHook call that takes this count to 0 throws (0: none does).
@@ -1377,7 +1383,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   Outcome oc;
   Apply a;
   std::vector<NodePtr> leaf_roots;
-  if (!a.read(roots, grads, flags, &leaf_roots)) return registry->not_impl;
+  if (!a.read(roots, grads, flags, &leaf_roots)) return declined("call");
   a.reading = reading;
   auto t0 = Clock_::now();
   bool same = true;
@@ -1404,7 +1410,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   }
   if (plan_it) {
     Request req = request_of(g, factors);
-    if (!plan_into(a, req, self, std::move(leaf_roots), &oc)) return registry->not_impl;
+    if (!plan_into(a, req, self, std::move(leaf_roots), &oc)) return declined("factors");
     const NativePlan& P = *a.plan;
     if (P.owned_leaves || P.custom_nodes) {
       oc.kind = kPlanned;
@@ -1416,7 +1422,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
     }
   }
   if (a.mults.empty()) a.mults.assign(roots.size(), 1.0);
-  if (!make_seeds(a, &oc)) return registry->not_impl;
+  if (!make_seeds(a, &oc)) return declined("seed");
   if (!std::isnan(a.potential)) {
     auto tr = std::make_unique<TaskReading>();
     tr->governor = self;
@@ -1445,14 +1451,14 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
 // _backward.py _run_plan, natively).
 static py::object govern_nested(py::handle current, const py::tuple& roots, const py::list& grads,
                                 const py::tuple& flags, bool want_stats) {
-  if (registry == nullptr) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  if (registry == nullptr) return declined("not configured");
   Outcome oc;
   Apply a;
   std::vector<NodePtr> leaf_roots;
-  if (!a.read(roots, grads, flags, &leaf_roots)) return registry->not_impl;
+  if (!a.read(roots, grads, flags, &leaf_roots)) return declined("call");
   auto t0 = Clock_::now();
   const size_t m = native_running.size();
-  if (static_cast<size_t>(PyList_GET_SIZE(registry->running.ptr())) != m) return registry->not_impl;
+  if (static_cast<size_t>(PyList_GET_SIZE(registry->running.ptr())) != m) return declined("python plan running");
   std::vector<py::object> keep;  // the entries stay alive while a hint may run Python
   std::vector<const NativePlan*> outer_plans;  // innermost first
   std::vector<PyObject*> readings;
@@ -1475,7 +1481,7 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
   Request req;
   py::object gov_obj;
   if (op != nullptr) {
-    if (op->governor.is_none()) return registry->not_impl;
+    if (op->governor.is_none()) return declined("python plan running");
     gov_obj = op->governor;
     req.owners_obj = op->owners;
     req.owners = op->owners_ptr;
@@ -1500,7 +1506,7 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
     py::handle b(binding);
     py::object native = py::getattr(b, "native", py::none());
     py::object potential = b.attr("potential");
-    if (native.is_none() || potential.is_none()) return registry->not_impl;
+    if (native.is_none() || potential.is_none()) return declined("python binding");
     const TaskReading& tr = native.cast<const TaskReading&>();
     gov_obj = tr.governor;
     req = request_of(gov_obj.cast<const Governor&>(), tr.factors);
@@ -1510,10 +1516,10 @@ static py::object govern_nested(py::handle current, const py::tuple& roots, cons
   req.nested = true;
   req.outer_plans = &outer_plans;
   req.outer_phi = py::none();
-  if (!plan_into(a, req, gov_obj, std::move(leaf_roots), &oc)) return registry->not_impl;
+  if (!plan_into(a, req, gov_obj, std::move(leaf_roots), &oc)) return declined("factors");
   const NativePlan& P = *a.plan;
   a.mults.assign(P.seeds.begin(), P.seeds.end());
-  if (!make_seeds(a, &oc)) return registry->not_impl;
+  if (!make_seeds(a, &oc)) return declined("seed");
   oc.kind = kPlanned;
   oc.multiplications = P.multiplications;
   oc.ns[0] = ns_since(t0) - oc.ns[1];  // the seeds are their own phase
