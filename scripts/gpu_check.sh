@@ -5,7 +5,7 @@
 # the fp16 two-engine check with the loss scales forced apart
 # (scripts/fp16_check.py), `benchmarks/overhead.py --device cuda --quick`, and
 # with the time left the DeepSpeed shape tests on CUDA; writes a markdown
-# summary.  Meant to finish in under 8 minutes.  See README.md, "GPU check".
+# summary.  Meant to finish in under 8 minutes.  See docs/gpus.md.
 #
 #   scripts/gpu_check.sh [OUTPUT_DIR]          (default: ./gpu-check)
 #
@@ -136,7 +136,7 @@ fi
 missing=$("$VPY" - <<'EOF'
 import importlib.util
 need = {"pytest": "pytest>=7", "hypothesis": "hypothesis>=6", "tabulate": "tabulate", "tqdm": "tqdm",
-        "transformers": "transformers>=4.46,<5.24", "matplotlib": "matplotlib"}
+        "transformers": "transformers>=5.23", "matplotlib": "matplotlib"}
 print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )

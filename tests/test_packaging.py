@@ -210,3 +210,8 @@ def test_wheel_install_ships_native_walker_and_never_stalls_a_backward(tmp_path:
 
     assert second["status_at_install"] == "ready", second
     assert second["walkers"] == ["native"] and second["err"] < 1e-6, second
+
+    # The environment report from the installed wheel (its own graphscale, the cache just built).
+    report = _run([str(python), "-m", "graphscale", "env", "--wait", "0"], cwd=tmp_path, env=env, timeout=600).stdout
+    assert f"({site}" in report.replace(str(venv / "lib"), f"{site}") and "native walker            ready" in report
+    assert "\nroute                    native" in report, report
