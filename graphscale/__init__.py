@@ -15,12 +15,12 @@ any graph and any backward style.
 from __future__ import annotations
 
 from . import observe
-from ._audit import Audit, audit
-from ._diagnose import Diagnosis, diagnose
-from ._errors import AuditError, ConfigurationError, GraphscaleError
-from ._explain import ExplainedPlan, explain
-from ._group import Group
-from ._install import Installation, install
+from ._backward.install import Installation, install
+from ._core.errors import AuditError, ConfigurationError, GraphscaleError
+from ._core.group import Group
+from ._tools.audit import Audit, audit
+from ._tools.diagnose import Diagnosis, diagnose
+from ._tools.explain import ExplainedPlan, explain
 
 __all__ = [
     "Group", "install", "Installation", "GraphscaleError", "ConfigurationError",
@@ -28,6 +28,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# The adapters (graphscale/_adapters.py) register themselves on import; a new
-# adapter is a new module and one name here.
-from . import _deepspeed, _fsdp  # noqa: E402,F401,I001
+# The adapters (graphscale/_adapters/) register themselves into the core's
+# registry on import; a new adapter is a new module there and one name here.
+from ._adapters import deepspeed as _deepspeed  # noqa: E402,F401,I001
+from ._adapters import fsdp as _fsdp  # noqa: E402,F401

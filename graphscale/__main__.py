@@ -1,6 +1,6 @@
 """``python -m graphscale demo``, ``build`` and ``env``: the command line.
 
-The only place in graphscale that prints (with ``graphscale/_native/_build.py``'s
+The only place in graphscale that prints (with ``graphscale/_native/build.py``'s
 ``main``, which ``build`` runs, and the background build too); the library
 itself logs.
 """
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "env":
-        from ._env import report
+        from ._tools.env import report
 
         text, ok = report(args.wait)
         print(text)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         # first-use C++ build of the native walker so a fresh machine finishes in
         # under a minute.  GRAPHSCALE_WALKER=native python -m graphscale demo overrides.
         os.environ.setdefault("GRAPHSCALE_WALKER", "python")
-        from ._demo import EXACT, format_report, run_demo
+        from ._tools.demo import EXACT, format_report, run_demo
 
         rows, header = run_demo()
         print(format_report(rows, header))

@@ -20,8 +20,15 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 from . import _native
-from ._observe import PhaseRecorder, RouteRecorder, WalkRecorder, recording_phases, recording_routes, recording_walks
-from ._observe import declines as _declines
+from ._core.observation import (
+    PhaseRecorder,
+    RouteRecorder,
+    WalkRecorder,
+    recording_phases,
+    recording_routes,
+    recording_walks,
+)
+from ._core.observation import declines as _declines
 
 __all__ = ["phases", "walks", "routes", "declines", "walker"]
 

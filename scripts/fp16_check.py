@@ -2,7 +2,7 @@
 what each engine's parameters receive, with graphscale and with DeepSpeed
 alone, against a float32 oracle.  Prints a markdown table; exit status 1 if
 graphscale's gradients are not ``loss_scale(own) / GAS(own)`` x the plain
-gradient for every engine (NOTE [ fp16 engines ] in graphscale/_deepspeed.py).
+gradient for every engine (NOTE [ fp16 engines ] in graphscale/_adapters/deepspeed/__init__.py).
 
 Engines A (GAS 2, initial scale 2**8) and B (GAS 4, initial scale 2**4),
 built by tests/test_fp16.py's ``Rig``; the checks are that file's, as

@@ -54,9 +54,9 @@ def _native_walker_ready() -> None:
 
 @pytest.fixture
 def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every backward of the test takes the Python route (``graphscale/_route.py``):
+    """Every backward of the test takes the Python route (``graphscale/_backward/route.py``):
     for tests that spy on or break that route's own functions."""
-    from graphscale import _route
+    from graphscale._backward import route as _route
 
     monkeypatch.setattr(_route, "enabled", False)
 
@@ -65,7 +65,9 @@ def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
 def _no_installation_leaks() -> Any:
     """Every test must leave torch exactly as it found it."""
     yield
-    from graphscale import _backward, _install, _running
+    from graphscale._backward import entry as _backward
+    from graphscale._backward import install as _install
+    from graphscale._backward import running as _running
 
     leaked = list(_install._installations)
     for inst in leaked:

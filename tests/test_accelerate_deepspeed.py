@@ -41,7 +41,7 @@ governed by ``graphscale.install(actor, critic)``.
 # (Accelerate fills an "auto" one with 1.0; the reference does not clip).
 #
 # DeepSpeed alone divides by the wrong GAS in the same places as without
-# Accelerate (NOTE [ DeepSpeed's two generations ] in graphscale/_deepspeed.py):
+# Accelerate (NOTE [ DeepSpeed's two generations ] in graphscale/_adapters/deepspeed/__init__.py):
 # ``accelerator.backward`` is ``engine.backward``.  graphscale governs it
 # because Accelerate calls ``self.engine.backward`` on the instance, which the
 # adapter shadows.

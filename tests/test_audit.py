@@ -11,7 +11,9 @@ import torch
 from conftest import require_deepspeed
 
 import graphscale
-from graphscale import _backward, _call, _observe
+from graphscale._backward import call as _call
+from graphscale._backward import entry as _backward
+from graphscale._core import observation as _observe
 
 
 def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
@@ -25,7 +27,7 @@ def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
 def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planner bug: every edge multiplication applied twice over (in the
     Python route's hooks, so the route is switched to it)."""
-    from graphscale import _route
+    from graphscale._backward import route as _route
 
     monkeypatch.setattr(_route, "enabled", False)
     real = _backward._post_hook

@@ -1,6 +1,6 @@
 """graphscale.audit on FSDP2 groups, one and two gloo ranks: the audit reads
 each backward's gradient at the unsharded parameters (NOTE [ FSDP2's
-backward leaves ] in graphscale/_fsdp.py), before FSDP2 reduce-scatters it.
+backward leaves ] in graphscale/_adapters/fsdp.py), before FSDP2 reduce-scatters it.
 
 A model sharded with ``fully_shard`` (GAS 2) feeds an unsharded one (GAS 4)
 in one loss.  An exact run passes and its sharded gradients are, all

@@ -5,7 +5,7 @@ engine's boundaries and the micro-steps between them), both backward styles.
 Engines A (GAS 2) and B (GAS 4) in one loss that nests B over A and forwards
 A twice.  An exact run must pass every per-backward check and every
 reduced-gradient check at a boundary (NOTE [ Audit at the boundary ] in
-graphscale/_audit_windows.py); a run made wrong on purpose must fail, naming
+graphscale/_tools/audit_windows.py); a run made wrong on purpose must fail, naming
 the group and parameter: B's pin doubled (graphscale scales B's leaves by
 twice their factor: every backward and every boundary of B fails), or B's
 accumulated gradient doubled after each backward of the window (every
@@ -50,7 +50,7 @@ def _run(case: str) -> dict[str, Any]:
     import torch
 
     import graphscale
-    from graphscale._deepspeed import EngineGroup
+    from graphscale._adapters.deepspeed import EngineGroup
 
     stage, dtype, call, *wrong = case.split("-")
     bf16 = dtype == "bf16"

@@ -110,7 +110,7 @@ def test_cuda_backward_runs_engine_output_hooks_off_the_callers_thread(on_cuda: 
     run on an autograd device thread, not on the thread that called
     backward, and there graphscale's thread-local is empty while the task
     binding is found."""
-    from graphscale import _running
+    from graphscale._backward import running as _running
 
     torch.manual_seed(0)
     engine = make_engine(torch.nn.Linear(4, 4), gas=2, stage=1)

@@ -1,7 +1,7 @@
 """A DeepSpeed that changed an internal graphscale relies on is refused at
 install() with a GraphscaleError naming the version, the piece and the fix,
 before any engine is touched (NOTE [ DeepSpeed drift ] in
-graphscale/_deepspeed_checks.py).
+graphscale/_adapters/deepspeed/checks.py).
 
 Each test simulates one upstream change on the real classes (monkeypatched,
 undone after the test) and installs a real engine: without the checks, each
@@ -16,7 +16,8 @@ import torch
 from conftest import require_deepspeed
 
 import graphscale
-from graphscale import _backward, _deepspeed_checks
+from graphscale._adapters.deepspeed import checks as _deepspeed_checks
+from graphscale._backward import entry as _backward
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

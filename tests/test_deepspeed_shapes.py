@@ -8,7 +8,7 @@ Three modes run every shape of ``SHAPES``:
 * ``graphscale``: installed; every engine's gradient must match the oracle.
 * ``deepspeed_alone``: not installed; DeepSpeed must be wrong exactly where
   ``Shape.ds_wrong`` says for this DeepSpeed generation (NOTE [ DeepSpeed's two
-  generations ] in graphscale/_deepspeed.py), so every shape listed there
+  generations ] in graphscale/_adapters/deepspeed/__init__.py), so every shape listed there
   fails without graphscale.  Set ``GRAPHSCALE_DS_REPORT=path`` to append the
   measured errors as JSON lines.
 * ``adapter_off``: graphscale governs the engines' modules as plain Groups

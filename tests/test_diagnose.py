@@ -1,7 +1,7 @@
 """graphscale.diagnose: DeepSpeed alone, watched, nothing governed.
 
 For each known shape (NOTE [ Diagnosis without graphscale ] in
-graphscale/_diagnose.py) real engines A (GAS 2) and B (GAS 4) run one
+graphscale/_tools/diagnose.py) real engines A (GAS 2) and B (GAS 4) run one
 backward as DeepSpeed alone runs it.  The truth is measured in the same test
 and independently of the diagnosis: each parameter's reduced gradient
 (``safe_get_full_grad`` at a forced boundary) against a plain-PyTorch oracle
@@ -116,7 +116,7 @@ def test_the_diagnosis_names_what_deepspeed_alone_got_wrong_and_why(ds_dist: Non
 def test_a_diagnosis_changes_no_gradient_and_leaves_nothing_behind(ds_dist: None) -> None:
     from deepspeed.utils import safe_get_full_grad
 
-    from graphscale import _call
+    from graphscale._backward import call as _call
 
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
     runs = []

@@ -45,7 +45,7 @@ gradient is compared too (FSDP2: ``param.grad.full_tensor()``, see below).
 #   m._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`` (2.13 has the
 #   plural list; earlier releases a single ``_fsdp_param_group``).
 # graphscale gives each unsharded parameter the group of its sharded one
-# (NOTE [ FSDP2's backward leaves ] in graphscale/_fsdp.py); before that
+# (NOTE [ FSDP2's backward leaves ] in graphscale/_adapters/fsdp.py); before that
 # (4a546fe) an FSDP2 model got the other group's 1/2 instead of 1/4.
 """
 from __future__ import annotations

@@ -12,7 +12,9 @@ import torch
 from conftest import HAVE_DEEPSPEED
 
 import graphscale
-from graphscale import _env, _native, _route
+from graphscale import _native
+from graphscale._backward import route as _route
+from graphscale._tools import env as _env
 
 
 def test_env_prints_every_row_and_exits_zero_here() -> None:
@@ -34,7 +36,7 @@ def test_env_prints_every_row_and_exits_zero_here() -> None:
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed")
 def test_a_deepspeed_whose_drift_checks_fail_makes_env_exit_non_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    from graphscale import _deepspeed
+    from graphscale._adapters import deepspeed as _deepspeed
 
     def refused() -> None:
         raise graphscale.GraphscaleError("graphscale: DeepSpeed 9.9.9: OutputBackwardHookManager.preprocess_done "

@@ -12,7 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward, _running, _snapshot
+from graphscale._backward import entry as _backward
+from graphscale._backward import running as _running
+from graphscale._core import snapshot as _snapshot
 
 F64 = torch.float64
 

@@ -958,7 +958,7 @@ def test_audit_checks_an_engine_with_a_factor(ds_dist: None, call: str, monkeypa
     """ZeRO 1 (what audit supports), micro-steps that are not a boundary
     (at a boundary ZeRO moves gradients out of .grad): right, then a planner
     applying a wrong factor to the engine."""
-    from graphscale._deepspeed import EngineGroup
+    from graphscale._adapters.deepspeed import EngineGroup
 
     engines, _ = _engines(1, boundary=False)
     A, B = engines["A"], engines["B"]

@@ -1,5 +1,5 @@
 """fp16 DeepSpeed engines per branch (NOTE [ fp16 engines ] in
-graphscale/_deepspeed.py): with two fp16 engines in one loss whose dynamic
+graphscale/_adapters/deepspeed/__init__.py): with two fp16 engines in one loss whose dynamic
 loss scales differ, every engine's parameters must receive exactly
 ``loss_scale(own) / GAS(own)`` x the plain gradient, under
 ``engine.backward(loss)``, a direct ``loss.backward()`` and
@@ -171,7 +171,7 @@ class Rig:
         return out
 
     def scales(self) -> dict[str, float]:
-        from graphscale._deepspeed import loss_scale
+        from graphscale._adapters.deepspeed import loss_scale
 
         return {n: loss_scale(e) for n, e in self.engines.items()}
 
@@ -388,7 +388,7 @@ def test_audit_passes_fp16_engines_with_their_loss_scales_and_catches_a_missing_
     assert check.ok and check.backwards == 4, str(check)
     assert sorted(check._windows.checked.values()) == [1, 2], str(check)
     assert "float16 leaves rtol=0.00390625" in str(check)
-    from graphscale._deepspeed import EngineGroup
+    from graphscale._adapters.deepspeed import EngineGroup
 
     rig = Rig(stage, boundary=None)
     monkeypatch.setattr(EngineGroup, "pin", lambda self, scaling=True: self.factor() if scaling else 1.0)

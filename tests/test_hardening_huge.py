@@ -22,7 +22,10 @@ import torch.utils.hooks
 from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
 import graphscale
-from graphscale import _pyplan, _request, _snapshot, _walk
+from graphscale._backward import pyplan as _pyplan
+from graphscale._core import request as _request
+from graphscale._core import snapshot as _snapshot
+from graphscale._core import walk as _walk
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 

@@ -22,7 +22,7 @@ import torch.utils.hooks
 from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
 import graphscale
-from graphscale import _running
+from graphscale._backward import running as _running
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 

@@ -9,7 +9,7 @@ test: the same models built again from the same seed (float32, before
 plainly, each model's gradient times 1/GAS of its engine.  Every case also
 runs DeepSpeed alone (graphscale not installed) and asserts that it is wrong
 exactly in the generations ``Case.ds_wrong`` lists (NOTE [ DeepSpeed's two
-generations ] in graphscale/_deepspeed.py), so a graphscale that did nothing
+generations ] in graphscale/_adapters/deepspeed/__init__.py), so a graphscale that did nothing
 would fail every case listed there.  ``GRAPHSCALE_DS_REPORT=path`` appends the
 measured errors as JSON lines.
 

@@ -11,7 +11,8 @@ from conftest import grad_mismatches
 from torch import nn
 
 import graphscale
-from graphscale import _backward, _snapshot
+from graphscale._backward import entry as _backward
+from graphscale._core import snapshot as _snapshot
 
 TORCH_BACKWARD = torch.autograd.backward  # as torch shipped it, read before any install
 

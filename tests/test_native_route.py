@@ -1,4 +1,4 @@
-"""The native route (graphscale/_route.py, NOTE [ One native call per
+"""The native route (graphscale/_backward/route.py, NOTE [ One native call per
 backward ] in graphscale/_native/walker.cpp) against the Python route, the
 reference: the same gradients, bit for bit, and the same walks on the
 property tests' random programs and on the shapes that take each branch
@@ -19,7 +19,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _native, _route, _running, observe
+from graphscale import _native, observe
+from graphscale._backward import route as _route
+from graphscale._backward import running as _running
 
 
 @pytest.fixture(scope="module")

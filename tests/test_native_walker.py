@@ -1,5 +1,5 @@
 """The native walker (graphscale/_native) makes the same plan as the Python
-reference (graphscale/_walk.py + graphscale/_plan.py), and graphscale keeps
+reference (graphscale/_core/walk.py + graphscale/_core/plan.py), and graphscale keeps
 working, exactly, with the Python walker forced or as the fallback (a build
 that fails: one warning, the Python walker, exact gradients).
 
@@ -23,11 +23,13 @@ from hypothesis import strategies as st
 from torch.autograd.graph import get_gradient_edge
 
 import graphscale
-from graphscale import _native, _planning, _pyplan
-from graphscale._errors import GraphscaleError
-from graphscale._native import _build
-from graphscale._request import PlanRequest
-from graphscale._snapshot import Reading, State
+from graphscale import _native
+from graphscale._backward import decide as _planning
+from graphscale._backward import pyplan as _pyplan
+from graphscale._core.errors import GraphscaleError
+from graphscale._core.request import PlanRequest
+from graphscale._core.snapshot import Reading, State
+from graphscale._native import build as _build
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -288,7 +290,7 @@ import json, logging, re
 import torch
 import graphscale
 from graphscale import _native
-from graphscale._errors import GraphscaleError
+from graphscale._core.errors import GraphscaleError
 
 records = []
 class Keep(logging.Handler):

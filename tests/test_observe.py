@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import graphscale
-from graphscale import _observe, observe
+from graphscale import observe
+from graphscale._core import observation as _observe
 
 
 def _pair() -> tuple[tuple[graphscale.Group, graphscale.Group], torch.nn.Module, torch.nn.Module]:

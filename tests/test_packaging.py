@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-NATIVE_FILES = ("graphscale/_native/__init__.py", "graphscale/_native/_build.py", "graphscale/_native/walker.cpp")
+NATIVE_FILES = ("graphscale/_native/__init__.py", "graphscale/_native/build.py", "graphscale/_native/walker.cpp")
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="the test holds the build's lock with fcntl")
 

@@ -1,7 +1,7 @@
 """A torch or DeepSpeed newer than the newest graphscale was tested with
 installs (pyproject bounds them from below only), gets one warning naming
 it, and the install-time self-tests decide: governed exactly, or refused with
-the piece named (NOTE [ Newer releases ] in graphscale/_releases.py).
+the piece named (NOTE [ Newer releases ] in graphscale/_core/releases.py).
 
 torch 2.15 cannot be installed on CI's machines, so each newer release here
 is a faked version string on the real, installed torch or DeepSpeed; a
@@ -22,7 +22,11 @@ import torch
 from conftest import require_deepspeed
 
 import graphscale
-from graphscale import _backward, _deepspeed_checks, _env, _releases, _selftest
+from graphscale._adapters.deepspeed import checks as _deepspeed_checks
+from graphscale._backward import entry as _backward
+from graphscale._backward import selftest as _selftest
+from graphscale._core import releases as _releases
+from graphscale._tools import env as _env
 
 NEWER_TORCH = "2.99.0+cpu"
 NEWER_DEEPSPEED = "0.99.0"

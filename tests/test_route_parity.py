@@ -1,5 +1,5 @@
 """Which route governs a backward is said, never a guess (NOTE [ Which route
-governs a backward ] in graphscale/_route.py), the DEBUG log changes no route,
+governs a backward ] in graphscale/_backward/route.py), the DEBUG log changes no route,
 and a native route that would be wrong on this torch is caught by its
 self-test before it governs anything (NOTE [ The native route's self-test ])."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 from conftest import max_rel_err
 
 import graphscale
-from graphscale import _native, _route, observe
+from graphscale import _native, observe
+from graphscale._backward import route as _route
 
 
 def _pair() -> tuple[tuple[graphscale.Group, graphscale.Group], torch.nn.Module, torch.nn.Module]:

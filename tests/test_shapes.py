@@ -21,7 +21,12 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward, _call, _planning, _pyplan, _request, _snapshot
+from graphscale._backward import call as _call
+from graphscale._backward import decide as _planning
+from graphscale._backward import entry as _backward
+from graphscale._backward import pyplan as _pyplan
+from graphscale._core import request as _request
+from graphscale._core import snapshot as _snapshot
 
 D = 4
 F64 = torch.float64

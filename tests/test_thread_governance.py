@@ -1,13 +1,13 @@
 """Which snapshot DeepSpeed's output hooks obey, driven from threads other
 than the caller's (NOTE [ Which snapshot an output hook obeys ] in
-graphscale/_running.py).
+graphscale/_backward/running.py).
 
 On CUDA, autograd runs a backward's nodes on its device worker threads, so
 an engine's output hook cannot see the thread-local snapshot of the governed
 backward that the caller's thread holds.  graphscale binds each governed
 backward's graph task (``torch._C._current_graph_task_id()``, readable on
 every thread that runs the task's nodes) to its snapshot, and the hook asks
-:func:`graphscale._running.task_binding`, which reads nothing else: no
+:func:`graphscale._backward.running.task_binding`, which reads nothing else: no
 thread-local, so what the hook sees on the CPU, where nodes run on the
 caller's thread, is exactly what it would see on a device worker thread.
 The tests check that every output hook found its task bound, and drive
@@ -20,7 +20,7 @@ Each scenario must fail when what it pins is broken; :data:`SCENARIOS` says
 which mutation breaks which scenario, and
 ``test_each_scenario_fails_under_the_mutations_it_guards_against`` runs them:
 
-* ``unbound``: :func:`graphscale._running.bound` (the Python route) and the
+* ``unbound``: :func:`graphscale._backward.running.bound` (the Python route) and the
   native route bind nothing (the task lookup always misses): the hook sees an
   ungoverned backward.
 * ``installed_now``: the hook asks "is the engine installed now?", the only
@@ -47,7 +47,10 @@ from conftest import TanhMLP as Net
 from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-from graphscale import _deepspeed_hooks, _route, _running, _snapshot
+from graphscale._adapters.deepspeed import hooks as _deepspeed_hooks
+from graphscale._backward import route as _route
+from graphscale._backward import running as _running
+from graphscale._core import snapshot as _snapshot
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -19,7 +19,7 @@ which only the second rank or the step shows.
 Why this file exists: on DeepSpeed 0.19.8 a direct ``loss.backward()`` over a
 loss that forwards one engine twice ran that engine's backward prologue twice
 and its epilogue never (NOTE [ One lifecycle per backward ] in
-graphscale/_deepspeed.py): nothing was reduced and ``step()`` raised.  Every
+graphscale/_adapters/deepspeed/__init__.py): nothing was reduced and ``step()`` raised.  Every
 shape runs under both DeepSpeed generations (CI reruns this file on 0.19.5),
 with graphscale and, pinned so that an upstream change is noticed, with
 DeepSpeed alone.

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _backward
+from graphscale._backward import entry as _backward
 
 POLICIES = ("plain_params", "plain", "any")
 DS_MARKS = [pytest.mark.deepspeed, require_deepspeed]

@@ -1,6 +1,6 @@
 """The native walker: walk + plan in C++ (``walker.cpp``), same plan as Python.
 
-``graphscale/_pyplan.py`` (with ``_walk.py`` and ``_plan.py``) is the reference;
+``graphscale/_backward/pyplan.py`` (with ``_core/walk.py`` and ``_core/plan.py``) is the reference;
 ``walker.cpp`` repeats them on the C++ autograd Nodes with the same orders and
 tie-breaks (tests/test_native_walker.py compares the two on random graphs).
 
@@ -8,9 +8,9 @@ NOTE [ No backward waits for a compiler ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The first :func:`graphscale.install` calls :func:`prepare`.  If graphscale's
 cache holds a build for this torch, interpreter and ``walker.cpp``
-(NOTE [ Native walker cache ] in ``_build.py``), it is imported there and
+(NOTE [ Native walker cache ] in ``build.py``), it is imported there and
 then (milliseconds, no compiler).  Otherwise a build starts in a detached
-child process (``_build.py --quiet --background``: its own session, so it
+child process (``build.py --quiet --background``: its own session, so it
 survives this process and completes the cache for the next run; low CPU
 priority) and a watcher thread imports the result when the child succeeds and
 publishes it with one assignment to ``_module``.  Until then every walked
@@ -38,7 +38,7 @@ import threading
 import time
 from typing import IO, Any
 
-from . import _build
+from . import build as _build
 
 __all__ = [
     "WALKER_ENV",
@@ -76,7 +76,7 @@ def walker_choice() -> str:
         return _last_choice[1]
     value = (raw or "auto").strip().lower() or "auto"
     if value not in WALKER_CHOICES:
-        from .._errors import ConfigurationError
+        from .._core.errors import ConfigurationError
 
         raise ConfigurationError(
             f"graphscale: {WALKER_ENV}={value!r}; expected one of {WALKER_CHOICES}."
@@ -101,7 +101,7 @@ def prepare() -> Any:
     if choice == "native" and _module is None:
         _done.wait()
         if _module is None:
-            from .._errors import GraphscaleError
+            from .._core.errors import GraphscaleError
 
             raise GraphscaleError(
                 f"graphscale: {WALKER_ENV}=native but the native walker could not be built: {_failed}. "
@@ -181,7 +181,7 @@ def _ensure_started() -> None:
 
 
 def _start_build(out: IO[bytes]) -> subprocess.Popen[bytes]:
-    """The detached build: ``_build.py`` run by its path, so it builds this
+    """The detached build: ``build.py`` run by its path, so it builds this
     package's ``walker.cpp`` whatever ``sys.path`` says."""
     return subprocess.Popen(
         [sys.executable, _build.__file__, "--quiet", "--background"],

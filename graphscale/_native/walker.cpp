@@ -1,7 +1,7 @@
 // graphscale native walk + plan.
 //
-// The same computation as graphscale/_pyplan.py build (the walk of
-// graphscale/_walk.py, the pins) followed by graphscale/_plan.py (see NOTE [
+// The same computation as graphscale/_backward/pyplan.py build (the walk of
+// graphscale/_core/walk.py, the pins) followed by graphscale/_core/plan.py (see NOTE [
 // Potentials ] there), done on the C++ autograd Nodes directly:
 // breadth-first discovery over next_edges, Kahn's topological order, pins on
 // AccumulateGrad leaves, bottom-up reachable pin values and votes, top-down
@@ -172,7 +172,7 @@ py::object py_of(Node* n) {
 }
 
 // What unowned leaves of a top-level backward must end at
-// (graphscale/_snapshot.py UNOWNED_POLICIES, in that order).
+// (graphscale/_core/snapshot.py UNOWNED_POLICIES, in that order).
 enum Policy : int { kAny = 0, kPlainParams = 1, kPlain = 2 };
 
 // Is `var` an nn.Parameter, as isinstance(var, nn.Parameter) says?  Only
@@ -214,7 +214,7 @@ struct Owners {
   }
 };
 
-// NOTE [ Checkpoint hints ] (graphscale/_hints.py) on the native route: the
+// NOTE [ Checkpoint hints ] (graphscale/_backward/hints.py) on the native route: the
 // position a custom-Function node's run_function hints, kept per snapshot
 // (in its Governor) for run_functions that are nn.Modules, which it holds
 // (so an address is never reused while cached); other run_functions ask the
@@ -307,7 +307,7 @@ struct NativePlan {
   }
 };
 
-// What one plan is asked: graphscale/_request.py PlanRequest, in C++ terms.
+// What one plan is asked: graphscale/_core/request.py PlanRequest, in C++ terms.
 struct Request {
   py::object owners_obj;                 // the Owners of the installed state
   const Owners* owners = nullptr;
@@ -378,8 +378,8 @@ struct Clock {
 };
 
 // One plan, in phases: discover -> pin -> order -> bottom_up -> top_down ->
-// multipliers.  The same computation as graphscale/_pyplan.py build
-// (walk, pins) then graphscale/_plan.py make_plan, with the same orders and
+// multipliers.  The same computation as graphscale/_backward/pyplan.py build
+// (walk, pins) then graphscale/_core/plan.py make_plan, with the same orders and
 // tie-breaks.  Nodes keep their discovery position throughout; the
 // topological order is a permutation (order) walked where the Python planner
 // walks its sorted list, so nothing is renumbered.
@@ -490,7 +490,7 @@ class Planner {
   }
 
   // The pin of an unowned leaf (NOTE [ Unowned leaves in nested backward ];
-  // NOTE [ Unowned leaves ] in graphscale/_snapshot.py), if any; counts it when
+  // NOTE [ Unowned leaves ] in graphscale/_core/snapshot.py), if any; counts it when
   // it is an nn.Parameter.
   bool unowned_pin(int32_t o, const at::Tensor& var, double* v) {
     if (R.has_outer() && R.seen_phi(P.found[o], v)) return true;
@@ -783,7 +783,7 @@ static NativePlan plan_core(py::object roots, const std::vector<Node*>& root_nod
   return P;
 }
 
-// The plan of graphscale/_pyplan.py build (_planning.py native_plan builds
+// The plan of graphscale/_backward/pyplan.py build (_backward/decide.py native_plan builds
 // this call).  roots: Python Nodes or None.  outer_phi: None, a callable
 // (node -> potential or None), or a list of the enclosing NativePlans,
 // innermost last.
@@ -819,7 +819,7 @@ static NativePlan plan(const py::list& roots, py::object owners, const std::vect
   return plan_core(roots, root_nodes, req);
 }
 
-// Root nodes as graphscale/_walk.py root_node reads them: an edge's node,
+// Root nodes as graphscale/_core/walk.py root_node reads them: an edge's node,
 // a tensor's grad_fn, a leaf's AccumulateGrad (kept alive in `leaf_roots`:
 // the tensor holds it only weakly), or none.  False when a root is neither a
 // tensor nor an edge.
@@ -847,8 +847,8 @@ static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
 }
 
 // The plan of a backward nested in a node's backward (NOTE [ Nested
-// backward ] in graphscale/_backward.py), in one call: finds `current` in the
-// running plans (`entries`: graphscale._running.Running entries, their .plan,
+// backward ] in graphscale/_backward/entry.py), in one call: finds `current` in the
+// running plans (`entries`: graphscale._backward.running.Running entries, their .plan,
 // innermost last, searched innermost first), and plans `roots` (tensors or
 // GradientEdges) with that plan's owners, factors, policy and hint, base and
 // carrier its potential, every running plan as outer_phi, no inputs=.
@@ -898,7 +898,7 @@ static py::object nested_plan(py::handle current, const py::tuple& entries, cons
   return py::none();
 }
 
-// Before the fast path (NOTE [ Fast path ] in graphscale/_backward.py): does a
+// Before the fast path (NOTE [ Fast path ] in graphscale/_backward/entry.py): does a
 // backward of `roots` reach an owned leaf, and may it skip planning?  A
 // breadth-first walk that stops as soon as the answer is known: at the first
 // owned leaf under unowned="any"; under "plain_params" once an owned leaf and
@@ -966,16 +966,16 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
 // ===================================================================== the governed backward, natively
 //
 // NOTE [ One native call per backward ]
-// graphscale/_backward.py reads the call and the factors (Python: GAS may be
+// graphscale/_backward/entry.py reads the call and the factors (Python: GAS may be
 // a callable, an engine's attribute) and hands the rest to one call here:
 // Governor.top for a top-level backward, govern_nested for one called from
 // inside a node's backward (NOTE [ Nested backward ] there).  That call
-// decides (left alone, the fast path, a plan: graphscale/_planning.py
+// decides (left alone, the fast path, a plan: graphscale/_backward/decide.py
 // decide), walks and plans, scales the seeds, puts each edge multiplier on
 // its node as a C++ FunctionPostHook (ScaleHook: no Python when it fires),
 // binds the graph task (BindHook, first of the roots' tensor pre-hooks, so
 // before any output hook: NOTE [ Which snapshot an output hook obeys ] in
-// graphscale/_running.py), registers the plan for nested backwards, calls
+// graphscale/_backward/running.py), registers the plan for nested backwards, calls
 // the original torch.autograd.backward, and takes every hook, binding and
 // registration back in a destructor (Undo), on every exit.  It declines
 // (returns the reason as a short str, having touched nothing) what the
@@ -984,22 +984,22 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
 // not native ("python plan running"), a nested backward in a task bound
 // without a native reading ("python binding").  Python declines before the
 // call what the native hooks cannot do (inputs=, compiled autograd: NOTE [
-// Which route governs a backward ] in graphscale/_route.py).  Same decisions, same plans, same seeds as the Python
+// Which route governs a backward ] in graphscale/_backward/route.py).  Same decisions, same plans, same seeds as the Python
 // route (tests/test_native_route.py runs the suite's graphs through both).
 
 // Process-wide Python objects the route needs (native.configure, once).
 struct Registry {
-  py::object running;      // graphscale._running._running: the running plans, innermost last
-  py::object running_cls;  // graphscale._running.Running(plan, reading)
-  py::object binding_cls;  // graphscale._running.Binding(reading, potential)
-  py::object by_task;      // graphscale._running._by_task: graph task id -> Binding
-  py::object call_module;  // graphscale._call: its ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
+  py::object running;      // graphscale._backward.running._running: the running plans, innermost last
+  py::object running_cls;  // graphscale._backward.running.Running(plan, reading)
+  py::object binding_cls;  // graphscale._backward.running.Binding(reading, potential)
+  py::object by_task;      // graphscale._backward.running._by_task: graph task id -> Binding
+  py::object call_module;  // graphscale._backward.call: its ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
   py::object original() const { return call_module.attr("ORIGINAL_BACKWARD"); }  // read per call: tests spy on it
   py::object param_type;   // torch.nn.Parameter
 };
 
 // A decline: the reason (a short str) the Python route takes the backward
-// for, having touched nothing (graphscale/_route.py counts it: NOTE [ Which
+// for, having touched nothing (graphscale/_backward/route.py counts it: NOTE [ Which
 // route governs a backward ] there).
 static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
@@ -1023,7 +1023,7 @@ static int64_t ns_since(Clock_::time_point t0) {
 }
 
 // One edge multiplier row on one node: grad_inputs[k] (flowing along
-// next_edges[k]) times m.  What graphscale/_backward.py _post_hook does.
+// next_edges[k]) times m.  What graphscale/_backward/entry.py _post_hook does.
 class ScaleHook : public torch::autograd::FunctionPostHook {
  public:
   ScaleHook(std::vector<std::pair<int64_t, double>> mults, std::shared_ptr<std::atomic<int64_t>> ns)
@@ -1059,8 +1059,8 @@ struct BindState {
   std::vector<int> tasks;
 };
 
-// Records graph task id -> Binding in graphscale._running._by_task when the
-// task runs its first node (graphscale/_running.py bound._bind does the same).
+// Records graph task id -> Binding in graphscale._backward.running._by_task when the
+// task runs its first node (graphscale/_backward/running.py bound._bind does the same).
 class BindHook : public torch::autograd::FunctionPreHook {
  public:
   explicit BindHook(std::shared_ptr<BindState> st) : st_(std::move(st)) {
@@ -1090,7 +1090,7 @@ class BindHook : public torch::autograd::FunctionPreHook {
 };
 
 // The running plans the native route registered, innermost last, beside
-// the Python registry (graphscale._running._running) that holds their
+// the Python registry (graphscale._backward.running._running) that holds their
 // entries: a nested backward finds its enclosing plan here without a Python
 // call.  Changed and read with the GIL held only.  When the Python registry
 // holds more entries (the Python route registered some), a nested backward
@@ -1373,7 +1373,7 @@ static bool plan_into(Apply& a, const Request& req, py::object gov_obj, std::vec
   return true;
 }
 
-// Governor.top: a top-level governed backward (graphscale/_backward.py
+// Governor.top: a top-level governed backward (graphscale/_backward/entry.py
 // _run_top_level from the decision on).  factors: by group position;
 // carries: what each seed carries already.
 static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads,
@@ -1447,8 +1447,8 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
 }
 
 // A backward called from inside `current`'s backward (NOTE [ Nested
-// backward ] in graphscale/_backward.py; _planning.py plan_nested then
-// _backward.py _run_plan, natively).
+// backward ] in graphscale/_backward/entry.py; _backward/decide.py plan_nested then
+// _backward/entry.py _run_plan, natively).
 static py::object govern_nested(py::handle current, const py::tuple& roots, const py::list& grads,
                                 const py::tuple& flags, bool want_stats) {
   if (registry == nullptr) return declined("not configured");
@@ -1536,7 +1536,7 @@ static py::tuple hook_counts(py::handle node) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "graphscale native walk + plan (see graphscale/_plan.py NOTE [ Potentials ])";
+  m.doc() = "graphscale native walk + plan (see graphscale/_core/plan.py NOTE [ Potentials ])";
   py::class_<Owners>(m, "Owners").def(py::init<const std::vector<uintptr_t>&, const std::vector<int>&>());
   py::class_<NativePlan>(m, "NativePlan")
       .def_readonly("seeds", &NativePlan::seeds)

@@ -1,0 +1,343 @@
+"""What graphscale changes on a DeepSpeed engine while it is installed, and
+undoes at remove: the engine's output hooks (two data descriptors on
+DeepSpeed's hook-manager class) and its ``backward``/``scale``/epilogue
+(shadowed on the instance).  Part of the DeepSpeed adapter (``_adapters/deepspeed/__init__.py``);
+reads ``sys.modules``, never imports deepspeed.
+
+# NOTE [ DeepSpeed's two generations ]
+# DeepSpeed divides by GAS in one of two places, by version:
+#   <= 0.19.5: engine.forward registers, through an OutputBackwardHookManager,
+#     a hook on every output tensor that calls
+#     engine._backward_prologue_per_tensor(grad) -> grad / GAS (unless the
+#     last engine.backward said scale_wrt_gas=False, a flag that sticks).
+#   >= 0.19.6 (PR 8245): engine.backward(loss) divides the loss by GAS and
+#     registers the running graph task, so that every engine's output hook
+#     skips its division; a direct loss.backward() keeps the hook division.
+# For each installed engine graphscale switches off both:
+#   * the output hooks: every hook manager reads its per-tensor function
+#     (the engine's bound _backward_prologue_per_tensor, taken at forward) at
+#     hook time from its instance attribute preprocess_per_tensor_fn.  Once an
+#     engine is installed, a data descriptor of that name sits on DeepSpeed's
+#     OutputBackwardHookManager class (data descriptors come before instance
+#     attributes) and hands every engine's hook a function that passes the
+#     gradient through when the running backward's snapshot governs the
+#     engine (NOTE [ Which snapshot an output hook obeys ] in _backward/running.py) and
+#     calls DeepSpeed's otherwise.  Managers made before install, while
+#     installed and after are all covered, with no search of the heap
+#     (install costs the same in a process of any size); an output made while
+#     installed and backpropagated after remove(), or in an ungoverned
+#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was
+#     governed when it started stays governed if remove() runs inside it.
+#     The descriptor stays once put (a backward may outlive the last
+#     remove()); for engines no backward governs it changes nothing;
+#   * the loss division: engine.backward is shadowed by a function that calls
+#     DeepSpeed's with scale_wrt_gas=False inside _running.engine_backward(...),
+#     and returns loss / GAS (or loss) as DeepSpeed does.
+# Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
+# reduction hooks, timers) runs untouched, once per backward (NOTE [ One
+# lifecycle per backward ]).
+#
+# NOTE [ One lifecycle per backward ]
+# Each engine.forward registers its own output-hook manager, and each manager
+# runs the engine's backward prologue (timers, ZeRO's enter_backward, the
+# queued post-backward epilogue) the first time one of its hooks fires
+# (its preprocess_done flag, reset by the next forward).  So one backward over
+# two forwards of one engine ran the prologue twice: ZeRO's backward depth
+# ended at 2, and since PR 8245's lifecycle work the direct-backward epilogue
+# refuses to run at a depth above 1 (it takes it for an interrupted
+# engine.backward): the gradients were never reduced and step() raised
+# (KeyError in averaged_gradients).  And a second backward over a retained
+# graph ran no prologue at all.  Under graphscale each manager's
+# preprocess_done reads, inside a backward that governs its engine, whether
+# that engine's prologue ran in this backward (NOTE [ Once per backward ] in
+# _backward/running.py: the backwards nested in it count as the same one), so the
+# engine's prologue runs once, before any of its output gradients, and its
+# epilogue once at the end: the queued callback of a direct backward (at
+# depth 1 now), or engine.backward's own.  Outside governed backwards the
+# flag is the manager's own, as DeepSpeed keeps it.  A governed backward that
+# raised after an engine's prologue left that prologue's depth behind; the
+# engine's next governed prologue takes it back first (the epilogue that
+# would have is what the adapter watches), so the next backward reduces, as
+# it does after an interrupted engine.backward.  A reference pass (audit)
+# runs no prologue at all.
+#
+# NOTE [ Under compiled autograd ]
+# Compiled autograd lifts every hook into a graph that dynamo traces; it
+# traced DeepSpeed's output hook into the engine's prologue and on into
+# ZeRO's queue_callback, which dynamo refuses outside fullgraph=True
+# ("queue_callback() is only supported when Compiled Autograd is enabled
+# with fullgraph=True"): every engine backward failed there under
+# graphscale.  DeepSpeed alone fails the same way where its output is not
+# the loss (critic(engine(x)), measured); where it is (engine(x).sum()) it
+# got through only because dynamo dropped its prologue (ZeRO's backward
+# depth stayed 0, measured), so no epilogue was queued.  Under graphscale the prologue is shadowed on the instance by a
+# function of this module that, while compiled autograd is on, runs
+# DeepSpeed's prologue with dynamo disabled (torch._dynamo.disable: once per
+# backward, so its microsecond does not matter); and this module, the hook
+# descriptors (_adapters/deepspeed/hooks.py) and the task bindings (_backward/running.py), like
+# every graphscale module but _backward/hooks.py, are on dynamo's skip list (NOTE [
+# graphscale is not traced by dynamo ] in _backward/dynamo.py): dynamo breaks its
+# graph at them and they run eagerly, on the real graph task, every step.  So the prologue runs once,
+# queues ZeRO's epilogue as in an uncompiled backward, and nothing per
+# backward is baked into a capture.  Measured (0.19.8, fp32 and bf16, four
+# micro-steps with step(), tests/test_compiled_autograd.py): exact against
+# plain PyTorch with torch's switch around engine.backward at ZeRO 1 and 2,
+# and with DeepSpeed's switch (compiled autograd inside engine.backward) at
+# ZeRO 1; the same captures as DeepSpeed alone.  Where DeepSpeed alone fails under
+# compiled autograd, graphscale refuses with the reason before the engine's
+# backward runs: engine.backward at ZeRO 3 (either switch; DeepSpeed alone:
+# "AssertionError: 1 != 2" in compiled autograd's sizes of the partitioned
+# parameters) and under DeepSpeed's switch at ZeRO 2 (dynamo: "sources must
+# not be empty for symbol"); a direct loss.backward() under torch's switch
+# (DeepSpeed's queued epilogue never runs: "KeyError: 0" at step()), at the
+# engine's prologue, before any of its gradients.  Not at install(): the
+# same engine's direct loss.backward() under DeepSpeed's switch runs
+# uncompiled (DeepSpeed compiles engine.backward's only) and is exact.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..._backward.running import CARRIES_ATTR, compiled_autograd_active, eager, engine_backward
+from ..._core.errors import GraphscaleError
+from ..._core.observation import laps
+from .checks import check_engine
+from .failed import end_failed_backward, refuse_next
+from .hooks import PROLOGUE, SHADOWED, redirect_on
+from .hooks import attached as _attached
+from .reads import is_zero_optimizer, scale_reader
+
+__all__ = ["attach", "observe", "after_epilogue"]
+
+_lock = threading.Lock()
+
+
+class _EngineAdapter:
+    """Switches one engine's loss division off while it is installed
+    (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ]).
+
+    ``open``: a governed prologue of this engine ran and its epilogue has not
+    yet; ``broken``: what ending a failed backward raised (NOTE [ Ending a
+    failed ZeRO backward ] in _adapters/deepspeed/failed.py), else None; ``ended``:
+    graphscale ended a failed backward and no governed prologue ran since."""
+
+    broken: str | None
+
+    def __init__(self, engine: Any) -> None:
+        self.refs, self.active, self.engine = 0, False, engine
+        cls = type(engine)
+        deepspeeds_backward = cls.backward.__get__(engine, cls)
+        deepspeeds_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
+        self.read_scale = read_scale = scale_reader(engine)
+        sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
+        if any(n in engine.__dict__ for n in (PROLOGUE, *SHADOWED)):
+            raise GraphscaleError(
+                "graphscale: this engine's backward, scale, _backward_prologue, _backward_epilogue or "
+                "_backward_prologue_per_tensor is already replaced on the instance (by another tool?); "
+                "graphscale cannot govern it safely."
+            )
+        deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
+        self.deepspeeds_prologue = cls._backward_prologue.__get__(engine, cls)
+        self.open, self.broken, self.ended = False, None, False  # (class docstring)
+        adapter = self
+
+        self.after_epilogue: list[Callable[[], None]] = []  # run once, after DeepSpeed's next epilogue
+
+        def epilogue() -> None:
+            adapter.open = False
+            deepspeeds_epilogue()
+            waiting, adapter.after_epilogue = adapter.after_epilogue, []
+            for fn in waiting:
+                fn()
+
+        def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+            if not adapter.active:
+                return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            refuse_compiled_autograd(engine, "graphscale: engine.backward")  # (when compiled autograd is on)
+            timed = laps()
+            gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
+            running = getattr(engine, "_running_engine_backward", False)
+            try:
+                with engine_backward(scale_wrt_gas, read_scale(), (engine, loss)):
+                    if timed:
+                        timed("adapter")
+                    deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+                    if timed:
+                        timed.skip()
+            finally:
+                if sticky_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
+                    engine._scale_wrt_gas = scale_wrt_gas
+                    engine._running_engine_backward = running  # (left True when its backward raised)
+            if timed:
+                timed("adapter")
+            return gas_scaled
+
+        def scale(loss: torch.Tensor) -> Any:
+            assert deepspeeds_scale is not None
+            carries = read_scale()
+            scaled = deepspeeds_scale(loss)
+            if adapter.active and carries != 1.0 and scaled is not loss:
+                setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]
+            return scaled
+
+        backward.__doc__ = deepspeeds_backward.__doc__
+        self.backward, self.epilogue = backward, epilogue
+        self.scale = scale if deepspeeds_scale is not None else None
+
+    def prologue(self) -> None:
+        """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
+        eagerly under compiled autograd (NOTE [ Under compiled autograd ])."""
+        if not compiled_autograd_active():
+            return self.deepspeeds_prologue()
+        if self.active and not getattr(self.engine, "_running_engine_backward", False):
+            refuse_compiled_autograd(self.engine, "graphscale: a direct loss.backward()", direct=True)
+        eager(self.deepspeeds_prologue)()
+
+    def prologue_starts(self, on_failure: list[Callable[[], None]]) -> None:
+        """A governed backward runs this engine's prologue now (NOTE [ One
+        lifecycle per backward ]); ``on_failure``: that backward's list of
+        NOTE [ A backward that raised ] (in _backward/failing.py), which gets
+        :meth:`backward_failed`.  First take back the ZeRO backward depth of a
+        governed prologue whose backward ended without its epilogue (where
+        :meth:`backward_failed` could not run it)."""
+        engine = self.engine
+        if self.ended or self.broken is not None:  # after graphscale ended a failed backward
+            self.ended = False
+            refuse_next(engine, self.broken)  # (every time, once ending one raised)
+        if self.open:
+            opt: Any = getattr(engine, "optimizer", None)
+            if is_zero_optimizer(opt) and opt._backward_active_depth > 0:
+                opt.exit_backward()
+        self.open = True
+        on_failure.append(self.backward_failed)
+        if not getattr(engine, "_running_engine_backward", False) and self.read_scale() != 1.0:
+            # A direct backward: graphscale applies the loss scale (NOTE [ fp16 engines ]), which
+            # DeepSpeed's epilogue checks was done.
+            engine._manual_backward_expected = True
+
+    def backward_failed(self) -> None:
+        """NOTE [ A backward that raised ] in _backward/failing.py: the governed backward
+        that ran this engine's prologue raised before its epilogue; end it now
+        (NOTE [ Ending a failed ZeRO backward ] in _adapters/deepspeed/failed.py)."""
+        if self.open:  # (else the epilogue ran: the error came after it)
+            self.open, self.ended = False, True
+            try:
+                end_failed_backward(self.engine, self.epilogue)
+            except Exception as err:  # becomes a note on the user's error (_backward/failing.py)
+                self.broken = f"{type(err).__name__}: {err}"
+                raise
+
+    def enable(self) -> None:
+        self.engine.backward = self.backward
+        self.engine._backward_epilogue = self.epilogue
+        self.engine._backward_prologue = self.prologue
+        if self.scale is not None:
+            self.engine.scale = self.scale
+        self.active = True
+
+    def disable(self) -> None:
+        self.active = False
+        for name in SHADOWED:
+            self.engine.__dict__.pop(name, None)
+
+
+def refuse_compiled_autograd(engine: Any, where: str, direct: bool = False) -> None:
+    """NOTE [ Under compiled autograd ]: what fails there in DeepSpeed alone is
+    refused before the engine's part of the backward runs, with the reason."""
+    switch = getattr(engine, "_is_compiled_autograd_enabled", False)
+    if not (direct or switch or compiled_autograd_active()):
+        return
+    stage = engine.zero_optimization_stage()
+    if direct:
+        why = ("DeepSpeed's post-backward epilogue, which a direct backward queues with queue_callback, does not run "
+               "under compiled autograd, so the gradients are never reduced (DeepSpeed 0.19.8 alone: KeyError: 0 in "
+               "step(), measured at ZeRO 1 and 2).  Fix: call engine.backward(loss), which runs the epilogue itself")
+    elif stage == 3:
+        why = ("DeepSpeed 0.19.8 alone fails there mid-backward (compiled autograd's dynamic sizes do not match ZeRO "
+               "3's partitioned parameters: 'AssertionError: 1 != 2', measured).  Fix: leave compiled autograd off "
+               "for this engine (engine.compile() without compiled_autograd_enabled still compiles its forward), "
+               "or use ZeRO 1 or 2")
+    elif stage == 2 and switch:
+        why = ("DeepSpeed 0.19.8 alone fails there mid-backward (dynamo: 'sources must not be empty for symbol', "
+               "measured).  Fix: engine.compile() without compiled_autograd_enabled, torch's own compiled autograd "
+               "around engine.backward (exact at ZeRO 1 and 2), or ZeRO 1")
+    else:
+        return
+    raise GraphscaleError(f"{where} of a ZeRO {stage} engine under compiled autograd "
+                f"({'engine.compile(compiled_autograd_enabled=True)' if switch else 'torch'}): {why}.  "
+                "Nothing of this engine's backward ran.")
+
+
+def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:
+    """Run ``fn`` once, right after ``engine``'s next backward epilogue (where
+    DeepSpeed reduces at an accumulation boundary); False when the engine is
+    not attached (nothing is scheduled)."""
+    adapter = _attached.get(id(engine))
+    if adapter is None:
+        return False
+    adapter.after_epilogue.append(fn)
+    return True
+
+
+def observe(engine: Any) -> Callable[[], None]:
+    """Watch ``engine`` without governing it (``graphscale.diagnose``): the
+    hook-manager descriptors on (they hand DeepSpeed's own values to every
+    backward no snapshot governs, and hold the prologue in a reference pass),
+    and ``engine.backward`` shadowed by a wrapper that only says, while it
+    runs, which engine's backward this is and its ``scale_wrt_gas``.  Returns
+    the function that undoes the shadow."""
+    with _lock:
+        if id(engine) in _attached:
+            raise GraphscaleError(
+                "graphscale.diagnose: this engine is installed (graphscale governs it), so DeepSpeed's own "
+                "scaling cannot be seen; use graphscale.audit() inside the installation instead.")
+        check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]
+        if "backward" in engine.__dict__:
+            raise GraphscaleError("graphscale.diagnose: this engine's backward is already replaced on the "
+                                  "instance (another diagnosis, or another tool); diagnose it once.")
+        redirect_on()
+        cls = type(engine)
+        deepspeeds_backward = cls.backward.__get__(engine, cls)
+
+        def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+            with engine_backward(scale_wrt_gas, 1.0, (engine, loss)):
+                return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+        backward.__doc__ = deepspeeds_backward.__doc__
+        engine.backward = backward
+
+    def undo() -> None:
+        if engine.__dict__.get("backward") is backward:
+            del engine.__dict__["backward"]
+
+    return undo
+
+
+def attach(engine: Any) -> Callable[[], None]:
+    """Govern ``engine``; return a function that undoes this once."""
+    with _lock:
+        adapter = _attached.get(id(engine))
+        if adapter is None:
+            check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]: before anything is touched
+            redirect_on()
+            adapter = _EngineAdapter(engine)
+            _attached[id(engine)] = adapter
+            adapter.enable()
+        adapter.refs += 1
+    done = False
+
+    def detach() -> None:
+        nonlocal done
+        with _lock:
+            if done:
+                return
+            done = True
+            adapter.refs -= 1
+            if adapter.refs == 0:
+                adapter.disable()
+                del _attached[id(engine)]
+
+    return detach

@@ -1,0 +1,139 @@
+"""A ``torch.autograd.backward`` call read once (:class:`BackwardCall`): its
+roots, its seeds, its ``inputs=``; the seeds multiplied; and the original
+backward run for it, bound to what governs it.
+
+torch takes any iterable; a generator can be read once, so everything is
+read here, and torch is handed the same items graphscale planned for.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from .._core.observation import Laps
+from . import running as _running
+
+__all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize", "scaled_seeds", "carries"]
+
+ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
+
+
+def materialize(arg: Any) -> Any:
+    """``arg`` as a tuple when it is an iterable other than a tensor, tuple or list."""
+    if arg is None or isinstance(arg, (torch.Tensor, tuple, list)):  # GradientEdge is a tuple
+        return arg
+    try:
+        return tuple(arg)
+    except TypeError:  # not iterable: torch's own error message is the right one
+        return arg
+
+
+def normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """(roots, seeds) of a backward call, or None when torch would reject it."""
+    if isinstance(tensors, (torch.Tensor, GradientEdge)):
+        roots: tuple[Any, ...] = (tensors,)
+    else:
+        roots = tuple(tensors)
+    if grad_tensors is None:
+        grads: list[Any] = [None] * len(roots)
+    elif isinstance(grad_tensors, torch.Tensor):
+        grads = [grad_tensors]
+    else:
+        grads = list(grad_tensors)
+    if len(grads) != len(roots):
+        return None
+    for t in roots:
+        if isinstance(t, GradientEdge):
+            continue
+        if not isinstance(t, torch.Tensor) or (t.grad_fn is None and not t.requires_grad):
+            return None
+    return roots, grads
+
+
+def scaled_seeds(roots: Sequence[Any], grads: Sequence[Any], mults: Sequence[float]) -> list[Any] | None:
+    """Seeds multiplied by ``mults``; None when a seed cannot be made (let torch raise)."""
+    out = list(grads)
+    for r, m in enumerate(mults):
+        if m == 1.0:
+            continue
+        g = out[r]
+        if g is None:
+            t = roots[r]
+            if isinstance(t, GradientEdge):  # implicit seed of a scalar edge, as torch makes it
+                md = t.node._input_metadata[t.output_nr]
+                if md.is_nested_tensor or torch.Size(md.shape).numel() != 1:
+                    return None
+                g = torch.ones(md.shape, dtype=md.dtype, device=md.device)
+            elif not isinstance(t, torch.Tensor) or t.numel() != 1:
+                return None
+            else:  # torch's implicit seed, already multiplied: one op instead of two
+                out[r] = torch.full_like(t, m, memory_format=torch.preserve_format)
+                continue
+        out[r] = g * m
+    return out
+
+
+def carries(roots: Sequence[Any], default: float) -> list[float]:
+    """What each root's seed carries already: ``default`` (an fp16
+    ``engine.backward``'s loss scale), or a tag left by ``engine.scale``."""
+    return [t.__dict__.get(_running.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
+
+
+class BackwardCall(NamedTuple):
+    """One call of ``torch.autograd.backward``, as given and as planned for.
+
+    ``roots``/``grads``: one entry per root (a grad None where torch makes the
+    seed), or None when the call is malformed (torch's own error is the right
+    one) or uses the deprecated ``grad_variables``.  ``inputs``: the
+    ``inputs=`` tensors as a tuple.  Iterables are read once here, so torch is
+    handed the same items graphscale planned for.
+    """
+
+    tensors: Any
+    grad_tensors: Any
+    retain_graph: bool | None
+    create_graph: bool
+    grad_variables: Any
+    inputs_arg: Any
+    roots: tuple[Any, ...] | None
+    grads: tuple[Any, ...] | None
+    inputs: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
+           grad_variables: Any, inputs: Any) -> BackwardCall:
+        """The call of ``torch.autograd.backward(tensors, grad_tensors, ...)``
+        (its own six parameters), read once."""
+        tensors, grad_tensors = materialize(tensors), materialize(grad_tensors)
+        inputs = materialize(inputs)
+        norm = None if grad_variables is not None else normalize(tensors, grad_tensors)
+        in_tuple = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
+                   None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
+
+    def run(self, binding: _running.Binding | None, seeds: Any = None, laps: Laps | None = None) -> None:
+        """The original backward, with ``seeds`` in place of the given seeds if
+        not None, its graph task bound to ``binding`` if not None
+        (:func:`_running.binding_for`; NOTE [ Which snapshot an output hook
+        obeys ] in _backward/running.py)."""
+        if binding is None or self.roots is None:
+            if laps:
+                laps("bind")  # nothing to bind: the lap closes what came before, as below
+            ORIGINAL_BACKWARD(
+                self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
+                grad_variables=self.grad_variables, inputs=self.inputs_arg,
+            )
+            if laps:
+                laps.skip()  # torch's time (and a nested backward's own laps) is not this backward's
+            return
+        grads = self.grads if seeds is None else seeds
+        assert grads is not None  # normalized with the roots
+        with _running.bound(self.roots, binding) as roots:
+            if laps:
+                laps("bind")
+            ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
+            if laps:
+                laps.skip()

@@ -1,0 +1,208 @@
+"""What a backward does, and the one place that chooses the planner.
+
+* :func:`decide`: what a top-level backward does (left alone, the fast path,
+  or a plan); :func:`graphscale.explain` asks the same function;
+* :func:`probe`: before the fast path, walk only until the answer is known;
+* :func:`plan_backward`: the plan of a request, by the native walker when it
+  is loaded (:func:`native_plan`, the one call site of ``native.plan``) and by
+  the Python reference (``_backward/pyplan.py``) otherwise; both give the same plan;
+* :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
+  backward ] in _backward/entry.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _native
+from .._core.group import Group
+from .._core.request import PlanRequest
+from .._core.snapshot import Reading, State
+from .._core.walk import root_node
+from . import running as _running
+from .hints import checkpoint_hint
+from .pyplan import PROBE_FAST, PROBE_HIDDEN, PROBE_NO_OWNED, PyPlan, build, probe_python
+
+__all__ = [
+    "native_owners", "probe", "fast_path_factor", "Decision", "decide", "UNTOUCHED", "FAST_PATH", "PLANNED",
+    "native_plan", "plan_backward", "top_level_request", "plan_nested",
+]
+
+
+def native_owners(state: State, native: Any) -> Any:
+    """The native ``Owners`` lookup (TensorImpl* -> group position) of
+    ``state``, built once per snapshot and kept in its tables (NOTE [
+    Per-snapshot tables ] in _core/snapshot.py): install/remove makes a new
+    snapshot and the table goes with it, so it keeps no group, parameter or
+    module alive (tests/test_hardening_longrun.py).  Positions follow
+    ``state.groups``."""
+    tables = state.tables
+    made = tables.native_owners
+    if made is not None and made[0] is native:
+        return made[1]
+    impls: list[int] = []
+    positions: list[int] = []
+    for leaf, k in state.owned_leaves():
+        impls.append(leaf._cdata)
+        positions.append(k)
+    table = native.Owners(impls, positions)
+    tables.native_owners = (native, table)
+    return table
+
+
+def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
+    """Before the fast path (NOTE [ Fast path ] in _backward/entry.py): (verdict,
+    hidden).  PROBE_NO_OWNED when a backward of ``roots`` reaches no owned
+    leaf the walk can see, PROBE_FAST when multiplying its seeds by the one
+    factor in play is exact under the state's policy, PROBE_PLAN when
+    unowned leaves the policy protects are reached too; ``hidden``: a
+    custom-Function node was seen, which may run a nested backward over
+    leaves no walk can see (reentrant checkpointing).  Walks only until the
+    answer is known (under "any" it may stop before a custom-Function node:
+    that policy needs no nested plan inside a fast-path backward)."""
+    native = _native.load()
+    if native is not None:
+        code = int(native.probe(tuple(roots), native_owners(state, native), state.policy_index, torch.nn.Parameter))
+    else:
+        code = probe_python(roots, state)
+    return code & 3, bool(code & PROBE_HIDDEN)
+
+
+def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
+    """The one factor in play (1.0 when none), or None when several are and
+    the backward must plan (NOTE [ Fast path ])."""
+    distinct = set(factors.values())
+    if len(distinct) > 1:
+        return None
+    return distinct.pop() if distinct else 1.0
+
+
+UNTOUCHED, FAST_PATH, PLANNED = "untouched", "fast path", "planned"
+
+
+class Decision(NamedTuple):
+    """What a top-level backward does: ``kind`` (UNTOUCHED, FAST_PATH or
+    PLANNED), the one ``factor`` of the fast path, the ``plan`` when planned,
+    and ``nested``: the potential from which a backward nested in an
+    unplanned one must be planned (custom-Function nodes may hide leaves;
+    NOTE [ Fast path ]), or None."""
+
+    kind: str
+    factor: float = 1.0
+    plan: Any = None
+    nested: float | None = None
+
+
+def decide(roots: Sequence[Any], reading: Reading, inputs: tuple[Any, ...],
+           seeds_carry_nothing: bool = True) -> Decision:
+    """What a top-level backward of ``roots`` does, under ``reading``;
+    ``seeds_carry_nothing``: no seed carries a factor already (an fp16
+    engine's loss scale)."""
+    state = reading.state
+    f = fast_path_factor(reading.factors)
+    if f is not None:
+        if f == 1.0 and seeds_carry_nothing:
+            return Decision(UNTOUCHED)  # every factor 1: nothing to do, nested or not
+        verdict, hidden = probe(roots, state)
+        if verdict == PROBE_NO_OWNED and not hidden:
+            return Decision(UNTOUCHED)  # NOTE [ Unowned leaves ]: not graphscale's backward
+        if verdict == PROBE_NO_OWNED and seeds_carry_nothing:
+            return Decision(UNTOUCHED, nested=1.0)  # owned leaves may hide behind a custom Function
+        if verdict == PROBE_FAST:
+            return Decision(FAST_PATH, f, nested=f if hidden and state.policy != "any" else None)
+    plan = plan_backward(roots, top_level_request(reading, inputs))
+    if not plan.owned_leaves and not plan.custom_nodes:
+        return Decision(UNTOUCHED)
+    return Decision(PLANNED, plan=plan)
+
+
+# ---------------------------------------------------------------- native or Python
+def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: Any = None) -> Any:
+    """``request`` planned by the native walker ``native``; ``outer``: the
+    enclosing NativePlans (innermost last), looked up in C++, in place of
+    ``request.outer_phi``.  Raises OverflowError past 64 distinct factors."""
+    pins = request.input_pins
+    state = request.reading.state
+    return native.plan(
+        [root_node(t) for t in roots],
+        native_owners(state, native),
+        request.factor_list,
+        request.base,
+        request.carrier,
+        state.policy_index,
+        torch.nn.Parameter,
+        [node for node, _ in pins],
+        [value for _, value in pins],
+        request.outer_phi if outer is None else outer,
+        request.hint,
+    )
+
+
+def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Any:
+    """The plan of ``request``, made by the native walker when it is available
+    ($GRAPHSCALE_WALKER, see graphscale/_native), else by the Python
+    reference.  Both give the same plan; the native one keeps no Python
+    object per node."""
+    native = _native.load()
+    if native is not None:
+        outer = None
+        if request.carrier is not None:
+            running = [entry.plan for entry in _running.running()]
+            if all(isinstance(p, native.NativePlan) for p in running):
+                outer = running  # looked up in C++, no Python call per node
+        try:
+            return native_plan(native, roots, request, outer)
+        except OverflowError:  # more than 64 distinct factors: the Python planner has no limit
+            pass
+    return PyPlan(*build(roots, request), request.reading.state.groups)
+
+
+def top_level_request(reading: Reading, inputs: tuple[Any, ...]) -> PlanRequest:
+    """The request of a top-level governed backward."""
+    return PlanRequest(reading, inputs=inputs, hint=checkpoint_hint(reading))
+
+
+def _nested_request(reading: Reading, p: float, inputs: tuple[Any, ...]) -> PlanRequest:
+    """The request of a backward nested where everything carries ``p``."""
+    return PlanRequest(reading, base=p, carrier=p, inputs=inputs, outer_phi=_running.enclosing_phi,
+                       hint=checkpoint_hint(reading))
+
+
+def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[Reading, Any] | None:
+    """Plan a backward called from inside ``current``'s backward (NOTE [
+    Nested backward ] in _backward/entry.py): find the running plan that walked
+    ``current`` and plan ``roots`` from its potential, with its reading; or,
+    where none did, inside a backward that left the nested ones to be planned
+    (NOTE [ Fast path ]: its task is bound with the potential everything in it
+    carries), from that potential.  Returns (the reading, the plan), or None
+    inside a backward that left them alone (ungoverned, or a fast path under
+    "any")."""
+    entries = _running.running()
+    if not entries:
+        return _plan_in_task(roots, inputs)
+    native = _native.load()
+    if native is not None and not inputs:
+        # One native call finds the running plan and plans (every running
+        # plan native; else the Python route below).
+        found = native.nested_plan(current, entries, tuple(roots), torch.nn.Parameter)
+        if found is None:
+            return _plan_in_task(roots, inputs)
+        if found is not NotImplemented:
+            k, plan = found
+            return entries[k].reading, plan
+    enclosing = _running.find_enclosing(current)
+    if enclosing is None:
+        return _plan_in_task(roots, inputs)
+    entry, p = enclosing
+    return entry.reading, plan_backward(roots, _nested_request(entry.reading, p, inputs))
+
+
+def _plan_in_task(roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[Reading, Any] | None:
+    """A nested backward inside a backward with no plan that bound its task
+    with the potential everything in it carries (NOTE [ Fast path ])."""
+    binding = _running.task_binding()
+    if binding is None or binding.potential is None:
+        return None
+    return binding.reading, plan_backward(roots, _nested_request(binding.reading, binding.potential, inputs))

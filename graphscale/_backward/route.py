@@ -1,0 +1,295 @@
+"""The native route: a governed backward in one call into the native module.
+
+NOTE [ One native call per backward ] in ``_native/walker.cpp`` says what
+that call does.  Python keeps what only Python can read (the call's
+arguments, every group's factor, what the seeds carry) and the observation
+points; the rest — decide, walk, plan, scale the seeds, hook, bind, register
+for nested backwards, run the original, take it all back — is native.  The
+Python route (``_backward/entry.py``) stays the exact reference:
+``GRAPHSCALE_ROUTE=python`` in the environment (or ``enabled = False`` here)
+runs every backward through it, with the native walker's plans;
+``GRAPHSCALE_WALKER=python`` with the Python walker's too.
+
+# NOTE [ Which route governs a backward ]
+# The native route governs every backward it can; the Python route takes
+# the rest, touching the same leaves with the same factors.  Each backward
+# the native route does not take is counted by reason
+# (graphscale.observe.declines(), graphscale.observe.routes()), so which
+# route governed it is never a guess, and the DEBUG log is written by both
+# (it changes no route).  The reasons:
+#   "GRAPHSCALE_ROUTE=python"  the environment (or a test) asked for Python;
+#   "native walker not ready"  still building, or failed (NOTE [ No backward
+#                              waits for a compiler ] in _native/__init__.py);
+#   "self-test failed"         NOTE [ The native route's self-test ] below;
+#   "compiled autograd"        torch's compiled autograd is on (its own
+#                              _enable, torch._dynamo.config.compiled_autograd
+#                              under torch.compile, or DeepSpeed's
+#                              compile(compiled_autograd_enabled=True)).
+#                              Compiled autograd asks every node hook for
+#                              compiled_args and lifts it into its graph as a
+#                              Python callable; a C++ hook (ScaleHook,
+#                              BindHook) has neither, and one that had them
+#                              would be a Python hook again, through a C++
+#                              interface torch changes between releases.  The
+#                              Python route's hooks are what compiled
+#                              autograd lifts (one capture, then replayed), so
+#                              it takes these backwards whole;
+#   "inputs="                  the Python route pins inputs= leaves;
+#   "call"                     roots or seeds the native call cannot read (an
+#                              iterable torch reads once, an edge's implicit
+#                              seed, a root that needs no grad);
+#   "seed"                     a seed it cannot make (torch raises its own
+#                              error through the Python route);
+#   "factors"                  more than 64 distinct factors;
+#   "python plan running"      a nested backward inside a backward the Python
+#                              route planned;
+#   "python binding"           a nested backward in a task the Python route
+#                              bound.
+# Declines cost the native route nothing: a native backward counts nothing.
+#
+# NOTE [ The native route's self-test ]
+# The native route is a second implementation of the governed backward, built
+# against whichever torch the user runs.  Before it governs anything (at
+# install when the build is cached, else at the first backward after the
+# background build lands) it runs a tiny fixed program through both routes
+# and plain PyTorch: two groups (GAS 2 and 4) in a mixed graph, the fast
+# path, each with a reentrant checkpoint (a nested backward) and an unowned
+# Parameter.  Power-of-two factors make the governed gradients exact
+# multiples of the plain ones, so both routes must match plain x factor bit
+# for bit.  A mismatch, or an exception from the native route, switches the
+# native route off for the process with ONE warning naming torch's version
+# and the failing piece; every backward then takes the Python route
+# (reason "self-test failed").  About 5 ms, once per process (measured),
+# plus what the process's first governed backward pays anyway: torch's check
+# of a given seed imports sympy on first use (~0.6 s, torch's own).  The
+# Python route's half also runs alone at the first install() of every
+# process, native walker or not; where it fails, install() is refused
+# (_selftest.require_python_route, NOTE [ Newer releases ] in _core/releases.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from .. import _native
+from .._core import observation as _observation
+from .._core.observation import Laps
+from .._core.snapshot import Reading, State
+from . import call as _call
+from . import running as _running
+from .call import BackwardCall
+from .decide import native_owners
+from .hints import checkpoint_hint_positions
+from .running import compiled_autograd_active
+from .unreached import warn_unreached_groups
+
+__all__ = ["ROUTE_ENV", "enabled", "bind", "decline_reason", "declined", "governor", "top_level", "nested_call",
+           "trusted", "self_test"]
+
+ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
+enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
+
+bind = True  # tests that break the graph task's binding on purpose set it False (tests/test_thread_governance.py)
+
+_log = logging.getLogger("graphscale")
+_configured: Any = None  # the native module the process-wide registry was handed to
+_PHASES = ("walk+plan", "seeds", "hooks on", "bind", "hook calls", "hooks off")
+
+
+def decline_reason(call: BackwardCall, native: Any) -> str | None:
+    """Why the native route must not take the top-level backward ``call``
+    (NOTE [ Which route governs a backward ]), or None: it may."""
+    if compiled_autograd_active():
+        return "compiled autograd"
+    if native is _passed and native is not None and enabled and not call.inputs:
+        return None  # the usual case: one identity check for the self-test's verdict
+    if not enabled:
+        return ROUTE_ENV + "=python"
+    if native is None:
+        return "native walker not ready"
+    if call.inputs:
+        return "inputs="
+    if not trusted(native):
+        return "self-test failed"
+    return None
+
+
+def declined(reason: str) -> None:
+    """Count one backward the Python route takes for ``reason``."""
+    _observation.record_route("python", reason)
+
+
+def governor(native: Any, state: State) -> Any:
+    """The native ``Governor`` of ``state``, made once per snapshot (NOTE [
+    Per-snapshot tables ] in _core/snapshot.py)."""
+    global _configured
+    if _configured is not native:
+        native.configure(_running._running, _running.Running, _running.Binding, _running._by_task,
+                         _call, torch.nn.Parameter, torch.nn.Module)
+        _configured = native
+    made = state.tables.native_governor
+    if made is not None and made[0] is native:
+        return made[1]
+    ref = weakref.ref(state)  # the governor lives in the snapshot's tables: no cycle through it
+
+    def warn(plan: Any) -> None:
+        s = ref()
+        if s is not None:
+            warn_unreached_groups(s, plan)
+
+    gov = native.Governor(native_owners(state, native), state.policy_index, checkpoint_hint_positions(state),
+                          bool(state.hook_owners), warn)
+    state.tables.native_governor = (native, gov)
+    return gov
+
+
+def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, describe: Any = None) -> bool:
+    """``fn(*args, want_stats)``, one native call, and what it measured handed
+    to the active recorders and the DEBUG log; False when it declined (touched
+    nothing; the decline is counted)."""
+    debug = _log.isEnabledFor(logging.DEBUG) and not _observation.quiet()
+    want = laps is not None or debug or _observation.walks_recorded()
+    if laps:
+        laps("prepare")
+    out = fn(*args, want)
+    if out.__class__ is str:  # declined, with its reason
+        declined(out)
+        return False
+    if want:
+        _observed(out, laps, describe if debug else None)
+    if _observation.routes_recorded():
+        _observation.record_route("native", None)
+    return True
+
+
+def _observed(stats: Any, laps: Laps | None, describe: Any) -> None:
+    """Hand what the native call measured to the active recorders and, where
+    ``describe`` says what governed it, the DEBUG log."""
+    kind, nodes, mults, *ns = stats
+    if kind and _observation.walks_recorded():
+        _observation.record_walk(nodes if kind == 2 else 0, ns[0] * 1e-9, mults)
+    if laps:
+        for name, t in zip(_PHASES, ns):
+            laps.record(laps.prefix + name, t * 1e-9)
+        laps.skip()
+    if describe is not None and kind:
+        _log.debug("graphscale: %swalked %d nodes in %.1f us, %d multiplication(s)%s, native route, native walker",
+                   "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, describe())
+
+
+def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[float], laps: Laps | None) -> bool:
+    """Run the top-level backward ``call`` under ``reading`` natively; False
+    when the native call declined (nothing was touched)."""
+    state = reading.state
+    gov = governor(native, state)
+    factors = [reading.factors[g] for g in state.groups]
+    assert call.grads is not None
+
+    def describe() -> str:
+        return ", factors " + str(sorted({f"{g.name}={f:g}" for g, f in reading.factors.items()}))
+
+    return _native_call(gov.top, (call.roots, list(call.grads), factors, carries, reading,
+                                  (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps, describe)
+
+
+def _nested_described() -> str:
+    return ", nested"
+
+
+def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
+                current_node: Any) -> bool:
+    """A backward nested in ``current_node``'s backward (NOTE [ Nested
+    backward ] in _backward/entry.py), taken natively straight from
+    ``torch.autograd.backward``'s arguments (roots: a tensor or edge, or a
+    tuple or list of them; seeds None, a tensor, or a tuple or list of them;
+    no ``inputs=``): the call a reentrant checkpoint makes once per block,
+    read without building a :class:`BackwardCall`.  False: not taken
+    (nothing touched; the decline counted); the Python route takes it."""
+    if not enabled:
+        declined(ROUTE_ENV + "=python")
+        return False
+    if _configured is None:
+        declined("native walker not ready")
+        return False
+    if compiled_autograd_active():
+        declined("compiled autograd")
+        return False
+    native = _native.load()
+    if native is not _configured or not trusted(native):
+        declined("self-test failed" if native is _configured else "native walker not ready")
+        return False
+    if isinstance(tensors, (torch.Tensor, GradientEdge)):
+        roots: Any = (tensors,)
+    elif type(tensors) in (tuple, list):
+        roots = tuple(tensors)
+    else:
+        declined("call")  # an iterable torch reads once: the Python route reads it
+        return False
+    if grad_tensors is None:
+        grads: Any = [None] * len(roots)
+    elif isinstance(grad_tensors, torch.Tensor):
+        grads = [grad_tensors]
+    elif type(grad_tensors) in (tuple, list):
+        grads = list(grad_tensors)
+    else:
+        declined("call")
+        return False
+    return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None, bind)),
+                        _observation.laps(nested=True), _nested_described)
+
+
+# ---------------------------------------------------------------- the self-test's verdict
+_trust_lock = threading.RLock()
+_verdicts: dict[int, tuple[Any, bool]] = {}  # id(native module) -> (the module, whether it passed)
+_testing = threading.local()  # .native: the module this thread's self-test runs
+_self_test: Any = None  # graphscale._backward.selftest.failure, registered from above at import (it runs both routes)
+_passed: Any = None  # the last native module that passed (decline_reason's fast check)
+
+
+def trusted(native: Any) -> bool:
+    """Whether ``native`` passed NOTE [ The native route's self-test ] (run
+    once per module, here if it has not run)."""
+    verdict = _verdicts.get(id(native))
+    if verdict is not None and verdict[0] is native:
+        return verdict[1]
+    if getattr(_testing, "native", None) is native:
+        return True  # the self-test's own native backwards
+    return self_test(native)
+
+
+def self_test(native: Any) -> bool:
+    """NOTE [ The native route's self-test ]: run it for ``native`` (once;
+    later calls return the verdict) and return whether the native route may
+    govern backwards."""
+    global _passed
+    with _trust_lock:
+        verdict = _verdicts.get(id(native))
+        if verdict is not None and verdict[0] is native:
+            return verdict[1]
+        if compiled_autograd_active() or torch.autograd.backward is _call.ORIGINAL_BACKWARD:
+            return False  # not now: its backwards would be captured, or its nested one not governed
+        _testing.native = native
+        try:
+            with _observation.unrecorded():  # the self-test's backwards are no user's
+                failed = _self_test(native) if _self_test is not None else "the self-test is not loaded"
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the Python route is the safe one
+            failed = f"{type(exc).__name__}: {exc}"
+        finally:
+            _testing.native = None
+        if failed is not None:
+            warnings.warn(
+                f"graphscale: the native route failed its self-test on torch {torch.__version__} ({failed}); "
+                "every backward takes the Python route (exact, slower).  Please report this with "
+                "`python -m graphscale env`.", RuntimeWarning, stacklevel=2)
+            _log.warning("graphscale: native route off: self-test failed on torch %s: %s", torch.__version__, failed)
+        _verdicts[id(native)] = (native, failed is None)
+        if failed is None:
+            _passed = native
+        return failed is None

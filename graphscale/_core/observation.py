@@ -1,0 +1,204 @@
+"""Observation points: what tools see of each governed backward.
+
+Three kinds, each a stack of context managers that nest and restore (like
+``torch.autograd.profiler``), never a global a tool assigns:
+
+* phase recorders, ``record(phase, seconds)``: graphscale's own time per
+  backward, by phase (:func:`laps`; public as ``graphscale.observe.phases``);
+* walk recorders, ``record(nodes, seconds, multiplications)``: every walked
+  plan, or the fast path's probe (:func:`record_walk`; public as
+  ``graphscale.observe.walks``);
+* route recorders, ``record(route, reason)``: which route governed each
+  backward, ``"native"`` or ``"python"`` with the reason the native route
+  did not take it (:func:`record_route`; public as
+  ``graphscale.observe.routes``); the Python route's backwards are also
+  counted by reason for the whole process (:func:`declines`);
+* the backward observer (``graphscale.audit``): wraps every top-level
+  governed backward, ``observer(run, *backward_args)`` calls
+  ``run(*backward_args)`` once; the innermost one applies.
+
+Every recorder active when an event happens sees it.  Reading whether any is
+active is one global read: this module runs on every backward.  Imports
+nothing of graphscale.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
+           "record_walk", "record_route", "routes_recorded", "declines", "unrecorded", "quiet", "Laps"]
+
+PhaseRecorder = Callable[[str, float], None]
+WalkRecorder = Callable[[int, float, int], None]
+RouteRecorder = Callable[[str, "str | None"], None]
+
+_lock = threading.Lock()
+
+
+class _Stack:
+    """The active recorders of one kind, oldest first: a tuple replaced whole
+    under the lock and read without it (one atomic attribute read)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: tuple[Any, ...] = ()
+
+
+_phases, _walks, _routes, _observers = _Stack(), _Stack(), _Stack(), _Stack()
+_declined: dict[str, int] = {}  # reason -> backwards the Python route took for it, in this process
+_quiet = threading.local()  # .on: this thread's backwards are graphscale's own (the route self-test)
+
+
+class _Pushed:
+    """``fn`` on ``stack`` for a ``with`` block; leaving takes out exactly
+    the entry it added (a fresh wrapper, compared by identity), so blocks
+    opened on several threads or closed out of order restore correctly."""
+
+    __slots__ = ("stack", "fn", "entry")
+
+    def __init__(self, stack: _Stack, fn: Any) -> None:
+        if not callable(fn):
+            raise TypeError(f"graphscale: an observation point takes a callable, got {type(fn).__name__}.")
+        self.stack, self.fn = stack, fn
+        self.entry: Callable[..., Any] | None = None
+
+    def __enter__(self) -> None:
+        if self.entry is not None:
+            raise RuntimeError("graphscale: this observation point is already active; make a new one.")
+        fn = self.fn
+        self.entry = entry = (lambda *args: fn(*args))
+        with _lock:
+            self.stack.items = (*self.stack.items, entry)
+
+    def __exit__(self, *exc: object) -> None:
+        entry, self.entry = self.entry, None
+        with _lock:
+            self.stack.items = tuple(e for e in self.stack.items if e is not entry)
+
+
+def recording_phases(record: PhaseRecorder) -> _Pushed:
+    """Within the block, ``record(phase, seconds)`` sees graphscale's own time
+    in each governed backward: "prepare" (the call read, factors, decision
+    inputs), "walk+plan" (probe or plan), "seeds" (seed scaling), "hooks on",
+    "bind" (the graph task's binding), "hooks off" (removal and unbinding),
+    "hook calls" (inside the backward) and "adapter" (an adapter's wrapper
+    around an engine's own backward); a nested backward's phases start with
+    "nested ".  Torch's and DeepSpeed's own work is in none of them."""
+    return _Pushed(_phases, record)
+
+
+def recording_walks(record: WalkRecorder) -> _Pushed:
+    """Within the block, ``record(nodes, seconds, multiplications)`` sees every
+    walked plan (nodes walked, seconds to walk and plan, multiplications it
+    places); the fast path reports ``(0, seconds_to_probe, seeds_scaled)``."""
+    return _Pushed(_walks, record)
+
+
+def recording_routes(record: RouteRecorder) -> _Pushed:
+    """Within the block, ``record(route, reason)`` sees every governed
+    backward: ``("native", None)``, or ``("python", reason)`` (NOTE [ Which
+    route governs a backward ] in _backward/route.py)."""
+    return _Pushed(_routes, record)
+
+
+def record_route(route: str, reason: str | None) -> None:
+    """One governed backward took ``route`` (for ``reason``, on the Python
+    route): counted there, and told to every active route recorder."""
+    if getattr(_quiet, "on", False):
+        return
+    if reason is not None:
+        with _lock:
+            _declined[reason] = _declined.get(reason, 0) + 1
+    for record in _routes.items:
+        record(route, reason)
+
+
+def routes_recorded() -> bool:
+    """Whether any route recorder is active."""
+    return bool(_routes.items)
+
+
+def quiet() -> bool:
+    """Whether this thread's backwards are graphscale's own (recorded and logged nowhere)."""
+    return getattr(_quiet, "on", False)
+
+
+def declines() -> dict[str, int]:
+    """How many governed backwards the Python route took in this process, by reason."""
+    with _lock:
+        return dict(_declined)
+
+
+class unrecorded:
+    """Within the block, this thread's backwards are recorded and logged
+    nowhere (the native route's self-test runs graphscale's own)."""
+
+    def __enter__(self) -> None:
+        self.was = getattr(_quiet, "on", False)
+        _quiet.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _quiet.on = self.was
+
+
+def observing(observer_fn: Callable[..., None]) -> _Pushed:
+    """Within the block, every top-level governed backward runs as
+    ``observer_fn(run, *backward_args)``, which must call ``run(*backward_args)`` once."""
+    return _Pushed(_observers, observer_fn)
+
+
+def observer() -> Callable[..., None] | None:
+    """The innermost active backward observer, or None."""
+    stack = _observers.items
+    return stack[-1] if stack else None
+
+
+def record_walk(nodes: int, seconds: float, multiplications: int) -> None:
+    """Tell every active walk recorder about one walk (cheap when none is)."""
+    for record in _walks.items:
+        record(nodes, seconds, multiplications)
+
+
+def walks_recorded() -> bool:
+    """Whether any walk recorder is active."""
+    return bool(_walks.items)
+
+
+def _fan_out(recorders: tuple[PhaseRecorder, ...]) -> PhaseRecorder:
+    if len(recorders) == 1:
+        return recorders[0]
+
+    def record(phase: str, seconds: float) -> None:
+        for r in recorders:
+            r(phase, seconds)
+
+    return record
+
+
+class Laps:
+    """Reports the time since the last lap to the phase recorders under a
+    phase's name; made only while one is active (:func:`laps`)."""
+
+    __slots__ = ("record", "prefix", "t")
+
+    def __init__(self, record: PhaseRecorder, prefix: str = "") -> None:
+        self.record, self.prefix, self.t = record, prefix, time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.record(self.prefix + phase, now - self.t)
+        self.t = now
+
+    def skip(self) -> None:
+        """Start the next lap now (what ran since is not graphscale's)."""
+        self.t = time.perf_counter()
+
+
+def laps(nested: bool = False) -> Laps | None:
+    """A lap clock for one backward (``nested``: its phases are prefixed
+    "nested "), or None while no phase recorder is active."""
+    recorders = _phases.items
+    return None if not recorders else Laps(_fan_out(recorders), "nested " if nested else "")

@@ -1,0 +1,55 @@
+"""What one backward asks the planner: :class:`PlanRequest`.
+
+Both planners take it: the Python reference (``_backward/pyplan.py``) and the native
+walker (``_native/walker.cpp``, through ``_planning.native_plan``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .snapshot import Reading
+
+__all__ = ["PlanRequest"]
+
+
+class PlanRequest(NamedTuple):
+    """What one backward asks the planner.
+
+    ``reading``: the snapshot and the factors read for this backward.
+    ``base``: the potential the seeds already carry (1 at top level; a nested
+    backward's enclosing potential, NOTE [ Nested backward ] in _backward/entry.py).
+    ``carrier``: in a nested backward, the potential unowned non-Parameter
+    leaves must end at; None at top level.
+    ``inputs``: the backward's ``inputs=`` (non-leaf ones receive ``.grad``
+    and are pinned under ``unowned="plain"``).
+    ``outer_phi``: the potential an enclosing plan gave a node, or None where
+    none saw it (NOTE [ Unowned leaves in nested backward ] in _backward/pyplan.py);
+    None at top level.
+    ``hint``: a potential for a custom-Function node, or None (NOTE [
+    Checkpoint hints ] in _backward/hints.py).
+    """
+
+    reading: Reading
+    base: float = 1.0
+    carrier: float | None = None
+    inputs: tuple[Any, ...] = ()
+    outer_phi: Callable[[Any], float | None] | None = None
+    hint: Callable[[Any], float | None] | None = None
+
+    @property
+    def input_pins(self) -> tuple[tuple[Any, float], ...]:
+        """(node, potential) for each non-leaf ``inputs=`` tensor under "plain"."""
+        if not self.reading.state.unowned_all_plain:
+            return ()
+        value = self.carrier if self.carrier is not None else 1.0
+        return tuple((t.grad_fn, value) for t in self.inputs
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+
+    @property
+    def factor_list(self) -> list[float]:
+        """The factors in the snapshot's group order (what the native walker indexes)."""
+        state, factors = self.reading
+        return [factors[g] for g in state.groups]
