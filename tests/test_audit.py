@@ -12,7 +12,7 @@ from conftest import require_deepspeed
 
 import graphscale
 from graphscale._backward import call as _call
-from graphscale._backward import entry as _backward
+from graphscale._backward import python_route as _python_route
 from graphscale._core import observation as _observe
 
 
@@ -30,8 +30,9 @@ def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
     from graphscale._backward import route as _route
 
     monkeypatch.setattr(_route, "enabled", False)
-    real = _backward._post_hook
-    monkeypatch.setattr(_backward, "_post_hook", lambda mults, *rest: real(tuple((k, 2 * m) for k, m in mults), *rest))
+    real = _python_route.post_hook
+    monkeypatch.setattr(_python_route, "post_hook",
+                        lambda mults, *rest: real(tuple((k, 2 * m) for k, m in mults), *rest))
 
 
 def test_a_right_scaling_passes_and_is_reported_per_group() -> None:

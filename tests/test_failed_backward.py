@@ -1,5 +1,5 @@
 """Issue 31: a governed backward that raised must not break the next one
-(NOTE [ A backward that raised ] in graphscale/_backward/failing.py).
+(NOTE [ A backward that raised ] in graphscale/_backward/frames.py).
 
 tests/_failed_backward.py runs each case on real engines, once on one rank
 and once on two gloo ranks: one accumulation window of two micro-steps in

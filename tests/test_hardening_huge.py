@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
+import _seams
 import pytest
 import torch
 import torch.utils.hooks
@@ -63,6 +64,13 @@ def chain(n: int) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tenso
     # Sum, Mul(pb), n Muls, Mul(pa), AccumulateGrad x2: n + 5
     return loss, pa, pb, n + 5
 
+
+
+@pytest.fixture(autouse=True)
+def _native_hooks_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the native route governs, its hooks are counted by the native
+    module's test build (tests/_seams.py)."""
+    _seams.swap_in(monkeypatch, required=False)
 
 def wide(n: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
     """loss = sum(stack([tanh(p_i * x_i)])): n branches, half in each group."""

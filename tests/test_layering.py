@@ -33,11 +33,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("_native.build",),
     ("_native",),
     # _backward/: the governed backward
-    ("_backward", "_backward.dynamo", "_backward.failing", "_backward.hooks"),
+    ("_backward", "_backward.dynamo", "_backward.frames", "_backward.hooks"),
     ("_backward.running", "_backward.hints"),
     ("_backward.call", "_backward.pyplan", "_backward.unreached"),
     ("_backward.decide",),
     ("_backward.route",),
+    ("_backward.python_route",),
     ("_backward.entry",),
     ("_backward.selftest",),
     ("_backward.install",),

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import _seams
 import pytest
 import torch
 from _functions import Boom, Recompute
@@ -19,17 +20,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale import _native, observe
+from graphscale import _native, observe  # noqa: F401
 from graphscale._backward import route as _route
 from graphscale._backward import running as _running
 
 
-@pytest.fixture(scope="module")
-def native() -> Any:
-    mod = _native.wait()
-    if mod is None:
-        pytest.skip("the native walker cannot be compiled here (or GRAPHSCALE_WALKER=python)")
-    return mod
+@pytest.fixture
+def native(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The native module's test build (tests/_seams.py), governing for this test."""
+    return _seams.swap_in(monkeypatch)
 
 
 def _both_routes(run: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:

@@ -24,6 +24,7 @@ from conftest import require_deepspeed
 import graphscale
 from graphscale._adapters.deepspeed import checks as _deepspeed_checks
 from graphscale._backward import entry as _backward
+from graphscale._backward import python_route as _python_route
 from graphscale._backward import selftest as _selftest
 from graphscale._core import releases as _releases
 from graphscale._tools import env as _env
@@ -92,7 +93,7 @@ def _drop_post_hook_results(monkeypatch: pytest.MonkeyPatch) -> None:
     def post_hook(mults: Any, laps: Any) -> Callable[..., None]:
         return lambda grad_inputs, grad_outputs: None
 
-    monkeypatch.setattr(_backward, "_post_hook", post_hook)
+    monkeypatch.setattr(_python_route, "post_hook", post_hook)
 
 
 def _refusal(module: torch.nn.Module) -> str:

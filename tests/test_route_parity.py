@@ -82,8 +82,9 @@ class _Skewed:
         real = self._real.Governor(*args)
 
         class Gov:
-            def top(self, roots: Any, grads: Any, factors: list[float], *rest: Any) -> Any:
-                return real.top(roots, grads, [2 * f for f in factors], *rest)
+            def top(self, roots: Any, grads: Any, reading: Any, *rest: Any) -> Any:
+                return real.top(roots, grads, reading._replace(factor_list=[2 * f for f in reading.factor_list]),
+                                *rest)
 
         return Gov()
 

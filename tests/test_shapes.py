@@ -21,10 +21,9 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale._backward import call as _call
 from graphscale._backward import decide as _planning
-from graphscale._backward import entry as _backward
 from graphscale._backward import pyplan as _pyplan
+from graphscale._backward import python_route as _python_route
 from graphscale._core import request as _request
 from graphscale._core import snapshot as _snapshot
 
@@ -432,9 +431,9 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
         return wrapped
 
     monkeypatch.setattr(_planning, "plan_backward", spy("plan_backward", _planning.plan_backward))
-    monkeypatch.setattr(_call, "scaled_seeds", spy("scaled_seeds", _call.scaled_seeds))
-    for name in ("_post_hook", "_run_plan"):
-        monkeypatch.setattr(_backward, name, spy(name, getattr(_backward, name)))
+    monkeypatch.setattr(_python_route, "scaled_seeds", spy("scaled_seeds", _python_route.scaled_seeds))
+    for name in ("post_hook", "_run_plan"):
+        monkeypatch.setattr(_python_route, name, spy(name, getattr(_python_route, name)))
 
     def program(w: World) -> None:
         h = checkpoint(w.g[1], w.pre(w.x), use_reentrant=True)
@@ -518,14 +517,14 @@ def test_group_and_its_submodule_take_the_fast_path(monkeypatch: pytest.MonkeyPa
     """``g(x) + g.sub(y)`` with one group: no walk, one multiplication (the seed)."""
     walked: list[Any] = []
     seed_mults: list[float] = []
-    real_seeds = _call.scaled_seeds
-    monkeypatch.setattr(_backward, "_run_plan", lambda *a, **k: walked.append(a))
+    real_seeds = _python_route.scaled_seeds
+    monkeypatch.setattr(_python_route, "_run_plan", lambda *a, **k: walked.append(a))
 
     def seeds(roots: Any, grads: Any, mults: Any) -> Any:
         seed_mults.extend(m for m in mults if m != 1.0)
         return real_seeds(roots, grads, mults)
 
-    monkeypatch.setattr(_call, "scaled_seeds", seeds)
+    monkeypatch.setattr(_python_route, "scaled_seeds", seeds)
     world = World((4,))
     with graphscale.install(*world.groups()):
         group_and_its_submodule(world, world.x.detach(), world.y.detach()).backward()

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import _seams
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -48,7 +49,6 @@ from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale._adapters.deepspeed import hooks as _deepspeed_hooks
-from graphscale._backward import route as _route
 from graphscale._backward import running as _running
 from graphscale._core import snapshot as _snapshot
 
@@ -421,7 +421,7 @@ def _installed_now() -> Any:
 
 
 MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "unbound": lambda mp: (mp.setattr(_running, "bound", _binds_nothing), mp.setattr(_route, "bind", False)),
+    "unbound": lambda mp: (mp.setattr(_running, "bound", _binds_nothing), _seams.swap_in(mp)._set_may_bind(False)),
     "installed_now": lambda mp: mp.setattr(_deepspeed_hooks, "task_binding", _installed_now),
 }
 

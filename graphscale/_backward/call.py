@@ -1,13 +1,12 @@
 """A ``torch.autograd.backward`` call read once (:class:`BackwardCall`): its
-roots, its seeds, its ``inputs=``; the seeds multiplied; and the original
-backward run for it, bound to what governs it.
+roots, its seeds, its ``inputs=``; and the original backward run for it,
+bound to what governs it.
 
 torch takes any iterable; a generator can be read once, so everything is
 read here, and torch is handed the same items graphscale planned for.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -16,7 +15,7 @@ from torch.autograd.graph import GradientEdge
 from .._core.observation import Laps
 from . import running as _running
 
-__all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize", "scaled_seeds", "carries"]
+__all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize"]
 
 ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
 
@@ -53,35 +52,6 @@ def normalize(tensors: Any, grad_tensors: Any) -> tuple[tuple[Any, ...], list[An
     return roots, grads
 
 
-def scaled_seeds(roots: Sequence[Any], grads: Sequence[Any], mults: Sequence[float]) -> list[Any] | None:
-    """Seeds multiplied by ``mults``; None when a seed cannot be made (let torch raise)."""
-    out = list(grads)
-    for r, m in enumerate(mults):
-        if m == 1.0:
-            continue
-        g = out[r]
-        if g is None:
-            t = roots[r]
-            if isinstance(t, GradientEdge):  # implicit seed of a scalar edge, as torch makes it
-                md = t.node._input_metadata[t.output_nr]
-                if md.is_nested_tensor or torch.Size(md.shape).numel() != 1:
-                    return None
-                g = torch.ones(md.shape, dtype=md.dtype, device=md.device)
-            elif not isinstance(t, torch.Tensor) or t.numel() != 1:
-                return None
-            else:  # torch's implicit seed, already multiplied: one op instead of two
-                out[r] = torch.full_like(t, m, memory_format=torch.preserve_format)
-                continue
-        out[r] = g * m
-    return out
-
-
-def carries(roots: Sequence[Any], default: float) -> list[float]:
-    """What each root's seed carries already: ``default`` (an fp16
-    ``engine.backward``'s loss scale), or a tag left by ``engine.scale``."""
-    return [t.__dict__.get(_running.CARRIES_ATTR, default) if isinstance(t, torch.Tensor) else default for t in roots]
-
-
 class BackwardCall(NamedTuple):
     """One call of ``torch.autograd.backward``, as given and as planned for.
 
@@ -114,7 +84,7 @@ class BackwardCall(NamedTuple):
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
 
-    def run(self, binding: _running.Binding | None, seeds: Any = None, laps: Laps | None = None) -> None:
+    def run(self, binding: Any, seeds: Any = None, laps: Laps | None = None) -> None:
         """The original backward, with ``seeds`` in place of the given seeds if
         not None, its graph task bound to ``binding`` if not None
         (:func:`_running.binding_for`; NOTE [ Which snapshot an output hook

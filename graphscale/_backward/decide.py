@@ -7,7 +7,8 @@
   is loaded (:func:`native_plan`, the one call site of ``native.plan``) and by
   the Python reference (``_backward/pyplan.py``) otherwise; both give the same plan;
 * :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
-  backward ] in _backward/entry.py).
+  backward ] in _backward/entry.py), found through the one running state
+  (NOTE [ One running state, both routes ] in _native/walker.cpp).
 """
 from __future__ import annotations
 
@@ -123,12 +124,12 @@ def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: 
     """``request`` planned by the native walker ``native``; ``outer``: the
     enclosing NativePlans (innermost last), looked up in C++, in place of
     ``request.outer_phi``.  Raises OverflowError past 64 distinct factors."""
-    pins = request.input_pins
+    pins, factors = request.input_pins, request.factor_list
     state = request.reading.state
     return native.plan(
         [root_node(t) for t in roots],
         native_owners(state, native),
-        request.factor_list,
+        factors,
         request.base,
         request.carrier,
         state.policy_index,
@@ -148,8 +149,8 @@ def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Any:
     native = _native.load()
     if native is not None:
         outer = None
-        if request.carrier is not None:
-            running = [entry.plan for entry in _running.running()]
+        if request.carrier is not None and _running.native is native:
+            running = [plan for plan, _ in _running.running()]
             if all(isinstance(p, native.NativePlan) for p in running):
                 outer = running  # looked up in C++, no Python call per node
         try:
@@ -179,24 +180,17 @@ def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> 
     carries), from that potential.  Returns (the reading, the plan), or None
     inside a backward that left them alone (ungoverned, or a fast path under
     "any")."""
-    entries = _running.running()
-    if not entries:
-        return _plan_in_task(roots, inputs)
-    native = _native.load()
+    native = _running.native
     if native is not None and not inputs:
-        # One native call finds the running plan and plans (every running
-        # plan native; else the Python route below).
-        found = native.nested_plan(current, entries, tuple(roots), torch.nn.Parameter)
-        if found is None:
-            return _plan_in_task(roots, inputs)
-        if found is not NotImplemented:
-            k, plan = found
-            return entries[k].reading, plan
+        found = native.nested_plan(current, tuple(roots))  # the one lookup, and the plan, natively
+        if found is None or found.__class__ is tuple:
+            return found  # type: ignore[no-any-return]
+        # "python": a plan the Python route made past 64 factors walked it; looked up below
     enclosing = _running.find_enclosing(current)
     if enclosing is None:
         return _plan_in_task(roots, inputs)
-    entry, p = enclosing
-    return entry.reading, plan_backward(roots, _nested_request(entry.reading, p, inputs))
+    reading, p = enclosing
+    return reading, plan_backward(roots, _nested_request(reading, p, inputs))
 
 
 def _plan_in_task(roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[Reading, Any] | None:

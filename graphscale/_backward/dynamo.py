@@ -29,7 +29,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["keep_out", "TRACED"]
+__all__ = ["keep_out", "TRACED", "eager"]
 
 _log = logging.getLogger("graphscale")
 _TRACE_RULES = "torch._dynamo.trace_rules"
@@ -102,3 +102,12 @@ class _AfterTraceRules(importlib.abc.MetaPathFinder):
 
         loader.exec_module = exec_then_skip  # type: ignore[method-assign]
         return spec
+
+
+# ---------------------------------------------------------------- under compiled autograd
+def eager(fn: Any) -> Any:
+    """``fn`` run with dynamo off for its whole extent (compiled autograd is on,
+    so dynamo is imported): NOTE [ Under compiled autograd ] in _adapters/deepspeed/engine.py."""
+    import torch
+
+    return torch._dynamo.disable(fn)

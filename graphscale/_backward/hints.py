@@ -73,7 +73,7 @@ def _hint_group(state: State, fn: Any) -> Group | None:
 def checkpoint_hint(reading: Reading) -> Callable[[Any], float | None]:
     """The hint of NOTE [ Checkpoint hints ] for one backward's reading:
     ``hint(node)`` is a potential for a custom-Function node, or None."""
-    state, factors = reading
+    state, factors = reading.state, reading.factors
 
     def hint(node: Any) -> float | None:
         g = _hint_group(state, getattr(node, "run_function", None))

@@ -113,7 +113,7 @@ def _refresh() -> None:
         (g for inst in _installations for g in inst._groups),
         _snapshot.strictest(inst.unowned for inst in _installations),
     )
-    native = _native.loaded()
+    native = _native.load()  # (prepare() ran: never waits for a build)
     if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
         _decide.native_owners(state, native)
         _route.governor(native, state)

@@ -78,7 +78,7 @@ def _pins(graph: Any, request: PlanRequest, reached: Reached) -> tuple[dict[int,
     Nested backward through the enclosing graph ]), whose edges an enclosing
     plan multiplies already.  Later pins overwrite earlier ones; the native
     walker keeps this order (leaves, hints, inputs=, enclosed)."""
-    (state, factors), outer_phi = request.reading, request.outer_phi
+    state, factors, outer_phi = request.reading.state, request.reading.factors, request.outer_phi
     owner = state.owner
     pins: dict[int, float] = {}
     for i, var in graph.leaves.items():

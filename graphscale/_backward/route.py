@@ -5,7 +5,7 @@ that call does.  Python keeps what only Python can read (the call's
 arguments, every group's factor, what the seeds carry) and the observation
 points; the rest — decide, walk, plan, scale the seeds, hook, bind, register
 for nested backwards, run the original, take it all back — is native.  The
-Python route (``_backward/entry.py``) stays the exact reference:
+Python route (``_backward/python_route.py``) stays the exact reference:
 ``GRAPHSCALE_ROUTE=python`` in the environment (or ``enabled = False`` here)
 runs every backward through it, with the native walker's plans;
 ``GRAPHSCALE_WALKER=python`` with the Python walker's too.
@@ -40,11 +40,9 @@ runs every backward through it, with the native walker's plans;
 #                              seed, a root that needs no grad);
 #   "seed"                     a seed it cannot make (torch raises its own
 #                              error through the Python route);
-#   "factors"                  more than 64 distinct factors;
-#   "python plan running"      a nested backward inside a backward the Python
-#                              route planned;
-#   "python binding"           a nested backward in a task the Python route
-#                              bound.
+#   "factors"                  more than 64 distinct factors (or a backward
+#                              nested in a plan the Python route made for
+#                              that many).
 # Declines cost the native route nothing: a native backward counts nothing.
 #
 # NOTE [ The native route's self-test ]
@@ -86,31 +84,48 @@ from . import call as _call
 from . import running as _running
 from .call import BackwardCall
 from .decide import native_owners
+from .frames import Frame, compiled_autograd_active
 from .hints import checkpoint_hint_positions
-from .running import compiled_autograd_active
 from .unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "bind", "decline_reason", "declined", "governor", "top_level", "nested_call",
+__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "top_level", "nested",
            "trusted", "self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
 
-bind = True  # tests that break the graph task's binding on purpose set it False (tests/test_thread_governance.py)
-
 _log = logging.getLogger("graphscale")
-_configured: Any = None  # the native module the process-wide registry was handed to
+
+
+class _Here(threading.local):
+    python = False  # python_only() is active on this thread
+
+
+_here = _Here()
+
+
+class python_only:
+    """Within the block, this thread's backwards take the Python route, the
+    nested ones too (the self-test's Python half)."""
+
+    def __enter__(self) -> None:
+        self.was = _here.python
+        _here.python = True
+
+    def __exit__(self, *exc: object) -> None:
+        _here.python = self.was
+
 _PHASES = ("walk+plan", "seeds", "hooks on", "bind", "hook calls", "hooks off")
 
 
-def decline_reason(call: BackwardCall, native: Any) -> str | None:
-    """Why the native route must not take the top-level backward ``call``
-    (NOTE [ Which route governs a backward ]), or None: it may."""
-    if compiled_autograd_active():
+def decline_reason(call: BackwardCall, native: Any, frame: Frame) -> str | None:
+    """Why the native route must not take the top-level backward ``call`` in
+    ``frame`` (NOTE [ Which route governs a backward ]), or None: it may."""
+    if frame.compiled:
         return "compiled autograd"
-    if native is _passed and native is not None and enabled and not call.inputs:
+    if native is _passed and native is not None and enabled and not call.inputs and not _here.python:
         return None  # the usual case: one identity check for the self-test's verdict
-    if not enabled:
+    if not enabled or _here.python:
         return ROUTE_ENV + "=python"
     if native is None:
         return "native walker not ready"
@@ -128,13 +143,14 @@ def declined(reason: str) -> None:
 
 def governor(native: Any, state: State) -> Any:
     """The native ``Governor`` of ``state``, made once per snapshot (NOTE [
-    Per-snapshot tables ] in _core/snapshot.py)."""
-    global _configured
-    if _configured is not native:
-        native.configure(_running._running, _running.Running, _running.Binding, _running._by_task,
-                         _call, torch.nn.Parameter, torch.nn.Module)
-        _configured = native
+    Per-snapshot tables ] in _core/snapshot.py), or None while the running
+    state cannot move to ``native`` yet (NOTE [ One running state, both
+    routes ] in _native/walker.cpp: a backward runs on the Python one)."""
     made = state.tables.native_governor
+    if made is not None and made[0] is native and _running.native is native:
+        return made[1]
+    if not _running.use_native(native, _call):
+        return None
     if made is not None and made[0] is native:
         return made[1]
     ref = weakref.ref(state)  # the governor lives in the snapshot's tables: no cycle through it
@@ -155,7 +171,7 @@ def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, describe: An
     to the active recorders and the DEBUG log; False when it declined (touched
     nothing; the decline is counted)."""
     debug = _log.isEnabledFor(logging.DEBUG) and not _observation.quiet()
-    want = laps is not None or debug or _observation.walks_recorded()
+    want = laps is not None or debug or bool(_observation.ACTIVE.walks)
     if laps:
         laps("prepare")
     out = fn(*args, want)
@@ -164,7 +180,7 @@ def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, describe: An
         return False
     if want:
         _observed(out, laps, describe if debug else None)
-    if _observation.routes_recorded():
+    if _observation.ACTIVE.routes:
         _observation.record_route("native", None)
     return True
 
@@ -173,7 +189,7 @@ def _observed(stats: Any, laps: Laps | None, describe: Any) -> None:
     """Hand what the native call measured to the active recorders and, where
     ``describe`` says what governed it, the DEBUG log."""
     kind, nodes, mults, *ns = stats
-    if kind and _observation.walks_recorded():
+    if kind and _observation.ACTIVE.walks:
         _observation.record_walk(nodes if kind == 2 else 0, ns[0] * 1e-9, mults)
     if laps:
         for name, t in zip(_PHASES, ns):
@@ -184,46 +200,52 @@ def _observed(stats: Any, laps: Laps | None, describe: Any) -> None:
                    "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, describe())
 
 
-def top_level(native: Any, call: BackwardCall, reading: Reading, carries: list[float], laps: Laps | None) -> bool:
-    """Run the top-level backward ``call`` under ``reading`` natively; False
-    when the native call declined (nothing was touched)."""
+def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = None) -> bool:
+    """Govern the top-level backward ``call`` in one native call (the loaded
+    native module, or ``native``); False where the native route does not
+    take it (NOTE [ Which route governs a backward ]: the reason counted,
+    nothing touched)."""
     state = reading.state
-    gov = governor(native, state)
-    factors = [reading.factors[g] for g in state.groups]
-    assert call.grads is not None
+    if native is None:
+        made = state.tables.native_governor
+        native = made[0] if made is not None else _native.load()
+    why = decline_reason(call, native, frame)
+    gov = governor(native, state) if why is None else None
+    if gov is None:
+        declined(why or "native walker not ready")
+        return False
 
     def describe() -> str:
         return ", factors " + str(sorted({f"{g.name}={f:g}" for g, f in reading.factors.items()}))
 
-    return _native_call(gov.top, (call.roots, list(call.grads), factors, carries, reading,
-                                  (call.retain_graph, call.create_graph, call.inputs_arg, bind)), laps, describe)
+    assert call.grads is not None
+    return _native_call(gov.top, (call.roots, list(call.grads), reading,
+                                  (call.retain_graph, call.create_graph, call.inputs_arg), frame), frame.laps, describe)
 
 
 def _nested_described() -> str:
     return ", nested"
 
 
-def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
-                current_node: Any) -> bool:
-    """A backward nested in ``current_node``'s backward (NOTE [ Nested
-    backward ] in _backward/entry.py), taken natively straight from
-    ``torch.autograd.backward``'s arguments (roots: a tensor or edge, or a
-    tuple or list of them; seeds None, a tensor, or a tuple or list of them;
-    no ``inputs=``): the call a reentrant checkpoint makes once per block,
-    read without building a :class:`BackwardCall`.  False: not taken
-    (nothing touched; the decline counted); the Python route takes it."""
-    if not enabled:
+def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool, current_node: Any) -> bool:
+    """Govern a plain nested backward (NOTE [ Nested backward ] in entry.py;
+    roots a tensor, an edge, or a tuple or list of them; seeds None, a
+    tensor, or a tuple or list of them; no ``inputs=``): the call a reentrant
+    checkpoint makes once per block, read without building a
+    :class:`BackwardCall`.  False: not taken (nothing touched; the decline
+    counted); the Python route takes it."""
+    native = _running.native  # the module the running state is in (NOTE [ One running state, both routes ])
+    if not enabled or _here.python:
         declined(ROUTE_ENV + "=python")
         return False
-    if _configured is None:
+    if native is None:
         declined("native walker not ready")
         return False
     if compiled_autograd_active():
         declined("compiled autograd")
         return False
-    native = _native.load()
-    if native is not _configured or not trusted(native):
-        declined("self-test failed" if native is _configured else "native walker not ready")
+    if native is not _passed and not trusted(native):
+        declined("self-test failed")
         return False
     if isinstance(tensors, (torch.Tensor, GradientEdge)):
         roots: Any = (tensors,)
@@ -241,8 +263,9 @@ def nested_call(tensors: Any, grad_tensors: Any, retain_graph: bool | None, crea
     else:
         declined("call")
         return False
-    return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None, bind)),
-                        _observation.laps(nested=True), _nested_described)
+    laps = _observation.laps(nested=True) if _observation.ACTIVE.phases else None
+    return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None)), laps,
+                        _nested_described)
 
 
 # ---------------------------------------------------------------- the self-test's verdict

@@ -1,20 +1,20 @@
-"""What is running: the context of the backwards in flight.
+"""What autograd is running under graphscale: the bindings of running graph
+tasks to what governs them (:func:`binding_for`, :class:`bound`,
+:func:`task_binding`, :func:`governing_binding`), which output hooks and
+nested backwards read, and the registry of walked plans whose backward is
+running (:func:`running_plan`, :func:`running`, :func:`enclosing_phi`),
+which nested backwards plan from.
 
-* the thread-local frames of an adapter's ``engine.backward``
-  (:func:`engine_backward`, :func:`engine_backward_frame`);
-* the bindings of running graph tasks to what governs them (:class:`Binding`,
-  :class:`bound`, :func:`task_binding`, :func:`governing_binding`), which
-  output hooks and nested backwards read;
-* the registry of walked plans whose backward is running (:class:`Running`,
-  :class:`running_plan`, :func:`find_enclosing`), which nested backwards
-  plan from.
+NOTE [ One running state, both routes ] (in ``_native/walker.cpp``): while
+the native module is loaded (:func:`use_native`) the registry, the bindings
+and the binding hook are the native ones, for both routes and the tools; the
+Python equivalents here run only where it is not, and the Python binding
+hook also under compiled autograd (which lifts Python hooks only).  The graph
+task -> binding map is one dict, ``_by_task``, either way.
 """
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
@@ -22,72 +22,15 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .._core import registry as _registry
 from .._core.snapshot import Reading, State
-from .failing import innermost
+from . import frames as _frames
+from .frames import compiled_autograd_active
 
 __all__ = [
-    "engine_backward", "engine_backward_frame",
-    "engine_backward_caller", "gas_scaling_enabled", "CARRIES_ATTR", "Binding", "binding_for",
-    "bound", "task_binding", "task_reading", "governing_binding", "Running", "running_plan", "running",
-    "compiled_autograd_active", "eager",
-    "find_enclosing", "enclosing_phi",
+    "use_native", "native", "Binding", "binding_for", "reference_binding", "bound", "task_binding",
+    "task_reading", "governing_binding", "running_plan", "running", "enclosing_phi", "find_enclosing",
 ]
 
-
-# ---------------------------------------------------------------- engine.backward frames
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.engine_calls: list[tuple[bool, float, Any]] = []  # engine.backward frames, innermost last
-
-
-_local = _Local()
-
-
-class _Pushed:
-    """``value`` on ``stack`` for the duration of a ``with`` block (a class:
-    these run on every backward, and a generator context manager costs ~4x)."""
-
-    __slots__ = ("stack", "value")
-
-    def __init__(self, stack: list[Any], value: Any) -> None:
-        self.stack, self.value = stack, value
-
-    def __enter__(self) -> None:
-        self.stack.append(self.value)
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.pop()
-
-
-def engine_backward(scaling: bool, carries: float = 1.0, caller: Any = None) -> AbstractContextManager[None]:
-    """Within this block (an adapter's ``engine.backward``), top-level governed
-    backwards on this thread apply the factors only if ``scaling``
-    (``scale_wrt_gas``), and their seeds already carry ``carries`` (the
-    calling engine's fp16 loss scale, applied by DeepSpeed before it calls
-    backward); ``caller``: (the engine whose backward this is, the loss it was
-    given), for tools."""
-    return _Pushed(_local.engine_calls, (scaling, carries, caller))
-
-
-def engine_backward_frame() -> tuple[bool, float]:
-    """(scaling, carries) of the innermost :func:`engine_backward` on this thread, or (True, 1.0)."""
-    stack = _local.engine_calls
-    return stack[-1][:2] if stack else (True, 1.0)
-
-
-def engine_backward_caller() -> Any:
-    """(engine, loss) of the innermost :func:`engine_backward` on this thread, or None."""
-    stack = _local.engine_calls
-    return stack[-1][2] if stack else None
-
-
-def gas_scaling_enabled() -> bool:
-    return engine_backward_frame()[0]
-
-
-# A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
-# has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
-# in _adapters/deepspeed/__init__.py).
-CARRIES_ATTR = "_graphscale_carries"
+native: Any = None  # the native module the running state is kept in (use_native), or None: the Python one
 
 
 # NOTE [ Which snapshot an output hook obeys ]
@@ -98,16 +41,19 @@ CARRIES_ATTR = "_graphscale_carries"
 # engine's leaves (scaled twice), and a backward begun ungoverned before an
 # install would lose DeepSpeed's division.  So a governed backward that
 # governs engines binds its autograd graph task to its snapshot (bound()):
-# each root is replaced by a view of itself whose tensor hook, the first hook
-# of the task's first node, records torch._C._current_graph_task_id() ->
-# snapshot; a nested backward binds its own task the same way (every task
-# whose graph may hold an engine's output hook: a plan that saw no tensor
-# hook anywhere binds nothing).  The graph task id is what every thread
+# a hook that runs before any other hook of the task's first node records
+# torch._C._current_graph_task_id() -> binding; a nested backward binds its
+# own task the same way (every task whose graph may hold an engine's output
+# hook: a plan that saw no tensor hook anywhere binds nothing).  Natively the
+# hook is a C++ pre-hook put first among the root nodes' tensor pre-hooks;
+# the Python one (no such place in Python) replaces a root that is itself an
+# engine's output by a view of itself, whose node is new, and puts a node
+# pre-hook on the other roots.  The graph task id is what every thread
 # running the task's nodes reads, the caller's and autograd's device threads
 # (CUDA) alike, and it is the only thing the adapter's hook asks
-# (task_binding()): no thread-local, which a device thread would not see
-# and which would make a torch.autograd.grad nested in a governed backward on
-# the same thread look governed.  An unbound task is an ungoverned backward
+# (task_binding()): no thread-local, which a device thread would not see and
+# which would make a torch.autograd.grad nested in a governed backward on the
+# same thread look governed.  An unbound task is an ungoverned backward
 # (torch.autograd.grad, or one begun before install): DeepSpeed's own
 # division applies there, as without graphscale.
 
@@ -126,58 +72,88 @@ CARRIES_ATTR = "_graphscale_carries"
 # so do the backwards nested in it.
 
 
+_by_task: dict[int, Any] = {}  # graph task id -> binding, while that backward runs (both kinds of hook write it)
+_py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, reading), innermost last
+
+
+def use_native(module: Any, call_module: Any) -> bool:
+    """Keep the running state in the native ``module`` from now on (NOTE [
+    One running state, both routes ]); ``call_module``: where it reads the
+    original ``torch.autograd.backward`` (``call.py``).  False (and nothing
+    changed) while a backward runs on the Python state: a later call switches."""
+    global native
+    if native is module:
+        return True
+    if _py_running or _by_task:
+        return False
+    module.configure(_by_task, call_module, torch.nn.Parameter, torch.nn.Module, _frames.CARRIES_ATTR,
+                     _frames.innermost)
+    native = module
+    return True
+
+
 class Binding:
-    """What a running backward's graph task is bound to: the ``reading``
-    (snapshot and factors) that governs it, and (NOTE [ Fast path ] in
-    _backward/entry.py) where no plan of it exists, the ``potential`` everything in
-    it carries, from which a nested backward is planned (None: nested
-    backwards are left alone); ``once``/``reference``: NOTE [ Once per
+    """What a running backward's graph task is bound to, where the native
+    module is not loaded (its ``Binding`` has the same fields): the
+    ``reading`` (snapshot and factors) that governs it, and (NOTE [ Fast path
+    ] in _backward/entry.py) where no plan of it exists, the ``potential``
+    everything in it carries, from which a nested backward is planned (None:
+    nested backwards are left alone); ``once``/``reference``: NOTE [ Once per
     backward ]; ``on_failure``: NOTE [ A backward that raised ] in
-    _backward/failing.py.  Made on the thread that calls the backward: a nested
-    backward's binding joins the one of the task running there."""
+    _backward/frames.py.  Made on the thread that calls the backward: a
+    nested backward's binding joins the one of the task running there."""
 
-    __slots__ = ("reading", "potential", "once", "on_failure", "reference", "native")
+    __slots__ = ("reading", "potential", "once", "on_failure", "reference")
 
-    def __init__(self, reading: Reading, potential: float | None = None, reference: bool = False) -> None:
+    def __init__(self, reading: Reading, potential: float | None = None, reference: bool = False,
+                 on_failure: list[Callable[[], None]] | None = None) -> None:
         self.reading, self.potential = reading, potential
         enclosing = task_binding()
         self.once: set[Any] = set() if enclosing is None else enclosing.once
-        # NOTE [ A backward that raised ] in _backward/failing.py: shared like ``once``
-        self.on_failure: list[Callable[[], None]] = enclosing.on_failure if enclosing is not None else innermost()
+        self.on_failure: list[Callable[[], None]] = (
+            enclosing.on_failure if enclosing is not None else _frames.innermost() if on_failure is None
+            else on_failure)
         self.reference: bool = reference or (enclosing is not None and enclosing.reference)
-        self.native: Any = None  # the native route's reading of it (NOTE [ One native call per backward ])
 
     @property
     def state(self) -> State:
         return self.reading.state
 
 
-def binding_for(reading: Reading | None, hooks: bool = True, potential: float | None = None) -> Binding | None:
+def binding_for(reading: Reading | None, hooks: bool = True, potential: float | None = None,
+                on_failure: list[Callable[[], None]] | None = None, governor: Any = None) -> Any:
     """The binding a backward governed by ``reading`` needs, or None where it
     needs none: bound when its graph may hold output hooks of objects the
     snapshot governs (``hooks``: a plan saw tensor hooks, or none looked;
     NOTE [ Which snapshot an output hook obeys ]), or when backwards nested in
-    it must be planned from ``potential`` (NOTE [ Fast path ])."""
+    it must be planned from ``potential`` (NOTE [ Fast path ] in
+    _backward/entry.py; ``governor``: the snapshot's native Governor, which
+    plans them natively); ``on_failure``: its top-level backward's list."""
     if reading is None or (potential is None and not (hooks and reading.state.hook_owners)):
         return None
-    return Binding(reading, potential)
+    module = native
+    if module is None:
+        return Binding(reading, potential, on_failure=on_failure)
+    return module.binding(reading, potential, on_failure, False, governor if potential is not None else None,
+                          reading.factor_list)
 
 
-_by_task: dict[int, Binding] = {}  # graph task id -> binding, while that backward runs
+def reference_binding(state: State) -> Any:
+    """The binding of a reference pass over ``state`` (graphscale.audit's plain
+    gradient: NOTE [ Once per backward ])."""
+    reading = Reading(state, {}, [])
+    module = native
+    if module is None:
+        return Binding(reading, reference=True, on_failure=[])
+    return module.binding(reading, None, [], True, None, [])
 
 
-class bound:
-    """Bind the graph task of a backward of ``roots`` to ``state`` while it
-    runs (NOTE [ Which snapshot an output hook obeys ]); ``with`` yields the
-    roots to hand to torch.  The binding hook must run before any output hook
-    that asks for the binding: a node pre-hook on a root's node comes after
-    that node's tensor hooks, so a root that is itself an engine's output
-    (such as a Hugging Face model's ``loss``) is replaced by a view of itself,
-    whose node is new; other roots keep their node and get the pre-hook."""
+class _PyBound:
+    """The Python binding hook (NOTE [ Which snapshot an output hook obeys ])."""
 
     __slots__ = ("roots", "binding", "tasks", "handles")
 
-    def __init__(self, roots: Sequence[Any], binding: Binding) -> None:
+    def __init__(self, roots: Sequence[Any], binding: Any) -> None:
         self.roots, self.binding = roots, binding
         self.tasks: list[int] = []
         self.handles: list[Any] = []
@@ -218,8 +194,18 @@ class bound:
             _by_task.pop(tid, None)
 
 
-def task_binding() -> Binding | None:
-    """The binding of the graph task this thread is running a node of."""
+def bound(roots: Sequence[Any], binding: Any) -> Any:
+    """Bind the graph task of a backward of ``roots`` to ``binding`` while it
+    runs (NOTE [ Which snapshot an output hook obeys ]): a context manager
+    whose ``with`` gives the roots to hand to torch."""
+    module = native
+    if module is None or compiled_autograd_active():
+        return _PyBound(roots, binding)
+    return module.bound(tuple(roots), binding)
+
+
+def task_binding() -> Any:
+    """The binding of the graph task this thread is running a node of, or None."""
     return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
 
 
@@ -229,7 +215,7 @@ def task_reading() -> Reading | None:
     return None if binding is None else binding.reading
 
 
-def governing_binding(engine: Any) -> Binding | None:
+def governing_binding(engine: Any) -> Any:
     """The binding of the running graph task if it governs ``engine`` (a
     reference pass governs every engine: NOTE [ Once per backward ]), else
     None: an ungoverned backward, where the engine's own bookkeeping applies."""
@@ -240,75 +226,51 @@ def governing_binding(engine: Any) -> Binding | None:
 
 
 # ---------------------------------------------------------------- running plans
-class Running:
-    """A walked plan whose backward is running, with the reading it was
-    planned with (compares by identity)."""
-
-    __slots__ = ("plan", "reading")
-
-    def __init__(self, plan: Any, reading: Reading) -> None:
-        self.plan = plan  # PyPlan or the native walker's NativePlan: phi_of(node) -> float | None
-        self.reading = reading
-
-
-# Walked plans whose backward is running, any thread, innermost last.  Each
-# change is one list operation (append, remove) and each reader takes a
-# snapshot with tuple(): each is atomic, so no lock is taken on the hot path.
-# Keyed by node, not by thread: CUDA backward runs nodes on autograd worker
-# threads (NOTE [ Nested backward ] in _backward/entry.py).
-_running: list[Running] = []
-
-
-class running_plan:
-    """Register ``entry`` for nested backwards while its backward runs."""
+class _PyRunningPlan:
+    """Register (plan, reading) in the Python registry while its backward runs."""
 
     __slots__ = ("entry",)
 
-    def __init__(self, entry: Running) -> None:
-        self.entry = entry
+    def __init__(self, plan: Any, reading: Reading) -> None:
+        self.entry = (plan, reading)
 
     def __enter__(self) -> None:
-        _running.append(self.entry)
+        _py_running.append(self.entry)
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            _running.remove(self.entry)  # by identity (Running compares so)
-        except ValueError:
-            pass
+        for i in range(len(_py_running) - 1, -1, -1):
+            if _py_running[i] is self.entry:
+                del _py_running[i]
+                return
 
 
-def running() -> tuple[Running, ...]:
-    """The running plans, innermost last (a snapshot)."""
-    return tuple(_running)
+def running_plan(plan: Any, reading: Reading) -> Any:
+    """Register ``plan`` (walked under ``reading``) for nested backwards while
+    its backward runs: a context manager."""
+    module = native
+    return _PyRunningPlan(plan, reading) if module is None else module.running_plan(plan, reading)
 
 
-def find_enclosing(node: Any) -> tuple[Running, float] | None:
-    """The innermost running plan that walked ``node``, and the potential it gave it."""
-    for entry in reversed(tuple(_running)):
-        p = entry.plan.phi_of(node)
+def running() -> tuple[tuple[Any, Reading], ...]:
+    """The running plans as (plan, reading), innermost last (a snapshot)."""
+    module = native
+    return tuple(_py_running) if module is None else tuple(module.running())
+
+
+def find_enclosing(node: Any) -> tuple[Reading, float] | None:
+    """The reading of the innermost running plan that walked ``node``, and the
+    potential it gave it (the Python lookup; natively, nested_plan)."""
+    for plan, reading in reversed(running()):
+        p = plan.phi_of(node)
         if p is not None:
-            return entry, p
+            return reading, p
     return None
 
 
 def enclosing_phi(node: Any) -> float | None:
     """The potential a running plan gave ``node``, or None where none saw it."""
+    module = native
+    if module is not None:
+        return module.enclosing_phi(node)  # type: ignore[no-any-return]
     found = find_enclosing(node)
     return None if found is None else found[1]
-
-
-# ---------------------------------------------------------------- compiled autograd
-def compiled_autograd_active() -> bool:
-    """Whether torch's compiled autograd captures a backward started now (its
-    own ``_enable``, ``torch._dynamo.config.compiled_autograd`` under
-    ``torch.compile``, or DeepSpeed's ``compile(compiled_autograd_enabled=True)``
-    inside ``engine.backward``): NOTE [ Which route governs a backward ] in
-    _backward/route.py.  One dict read while dynamo was never imported."""
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
-
-
-def eager(fn: Any) -> Any:
-    """``fn`` run with dynamo off for its whole extent (compiled autograd is on,
-    so dynamo is imported): NOTE [ Under compiled autograd ] in _adapters/deepspeed/engine.py."""
-    return torch._dynamo.disable(fn)

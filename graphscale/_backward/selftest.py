@@ -18,8 +18,8 @@ from .._core.snapshot import State
 from . import call as _call
 from . import route as _route
 from .call import BackwardCall
-from .entry import run_top_level
-from .running import compiled_autograd_active
+from .entry import govern
+from .frames import compiled_autograd_active
 
 __all__ = ["failure", "require_python_route"]
 
@@ -81,7 +81,11 @@ def failure(native: Any) -> str | None:
                     p.grad = None
                 call = BackwardCall.of(loss(), None, None, False, None, None)
                 try:
-                    run_top_level(call, state, None, native if route == "native" else None)
+                    if route == "native":
+                        govern(call, state, native)
+                    else:
+                        with _route.python_only():
+                            govern(call, state, None)
                 except Exception as exc:  # noqa: BLE001 - the warning names it
                     return f"{case}, {route} route: {type(exc).__name__}: {exc}"
                 got[route] = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]

@@ -20,7 +20,7 @@ import torch
 from . import registry as _registry
 from .errors import GraphscaleError
 
-__all__ = ["Group", "spec_reads"]
+__all__ = ["Group", "spec_reads", "read_pins"]
 
 GasSpec = Union[int, Callable[[], int]]
 FactorSpec = Union[float, Callable[[], float]]
@@ -166,7 +166,8 @@ class Group:
         1.0
     """
 
-    __slots__ = ("name", "_gas", "_factor", "_params", "_param_names", "_factor_key", "_module", "__weakref__")
+    __slots__ = ("name", "_gas", "_factor", "_scale", "_params", "_param_names", "_factor_key", "_module",
+                 "__weakref__")
 
     def __new__(cls, module_or_params: Any, gas: GasSpec = UNSET, *, factor: FactorSpec = UNSET,
                 name: str | None = None) -> Group:
@@ -187,6 +188,7 @@ class Group:
         named, default_name = _named_leaves(module_or_params)
         # Weakly: a group holds its parameters and nothing else (NOTE [ FSDP2's backward leaves ] reads it).
         self._module = weakref.ref(module_or_params) if isinstance(module_or_params, torch.nn.Module) else None
+        self._scale: Callable[[], Any] | None = None  # an adapter's loss-scale source (pin)
         if gas is not UNSET and factor is not UNSET:
             raise TypeError("graphscale: Group takes gas= or factor=, not both (factor is what 1 / gas would be).")
         if factor is None:
@@ -260,9 +262,12 @@ class Group:
 
     def pin(self, scaling: bool = True) -> float:
         """What this backward multiplies the group's leaves by: ``factor()``
-        (1 when ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``).
-        An fp16 engine's group also multiplies in its loss scale."""
-        return self.factor() if scaling else 1.0
+        (1 when ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``),
+        times the loss scale an adapter's group reads (an fp16 engine's:
+        ``_scale``, a callable the adapter set, or None)."""
+        f = self.factor() if scaling else 1.0
+        scale = self._scale
+        return f if scale is None else f * float(scale())
 
     @property
     def factor_key(self) -> object:
@@ -284,3 +289,9 @@ class Group:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self._spec_repr()}, params={len(self._params)})"
+
+
+def read_pins(groups: Iterable[Group], scaling: bool = True) -> list[float]:
+    """:meth:`Group.pin` of each of ``groups``, in order, read now (what a
+    snapshot's :meth:`~graphscale._core.snapshot.State.read` asks once per backward)."""
+    return [g.pin(scaling) for g in groups]

@@ -17,9 +17,10 @@ Three kinds, each a stack of context managers that nest and restore (like
   governed backward, ``observer(run, *backward_args)`` calls
   ``run(*backward_args)`` once; the innermost one applies.
 
-Every recorder active when an event happens sees it.  Reading whether any is
-active is one global read: this module runs on every backward.  Imports
-nothing of graphscale.
+Every recorder active when an event happens sees it.  Which are active is
+:data:`ACTIVE`: one tuple per kind, replaced whole under a lock, so the
+governed backward reads it with attribute reads only (no call into this
+module unless something is recording).  Imports nothing of graphscale.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
-           "record_walk", "record_route", "routes_recorded", "declines", "unrecorded", "quiet", "Laps"]
+__all__ = ["ACTIVE", "recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
+           "record_walk", "record_route", "routes_recorded", "walks_recorded", "declines", "unrecorded", "quiet",
+           "Laps"]
 
 PhaseRecorder = Callable[[str, float], None]
 WalkRecorder = Callable[[int, float, int], None]
@@ -37,17 +39,21 @@ RouteRecorder = Callable[[str, "str | None"], None]
 _lock = threading.Lock()
 
 
-class _Stack:
-    """The active recorders of one kind, oldest first: a tuple replaced whole
-    under the lock and read without it (one atomic attribute read)."""
+class _Active:
+    """The active observation points of each kind, oldest first: a tuple per
+    kind replaced whole under the lock and read without it (one atomic
+    attribute read)."""
 
-    __slots__ = ("items",)
+    __slots__ = ("phases", "walks", "routes", "observers")
 
     def __init__(self) -> None:
-        self.items: tuple[Any, ...] = ()
+        self.phases: tuple[Any, ...] = ()
+        self.walks: tuple[Any, ...] = ()
+        self.routes: tuple[Any, ...] = ()
+        self.observers: tuple[Any, ...] = ()
 
 
-_phases, _walks, _routes, _observers = _Stack(), _Stack(), _Stack(), _Stack()
+ACTIVE = _Active()
 _declined: dict[str, int] = {}  # reason -> backwards the Python route took for it, in this process
 _quiet = threading.local()  # .on: this thread's backwards are graphscale's own (the route self-test)
 
@@ -57,12 +63,12 @@ class _Pushed:
     the entry it added (a fresh wrapper, compared by identity), so blocks
     opened on several threads or closed out of order restore correctly."""
 
-    __slots__ = ("stack", "fn", "entry")
+    __slots__ = ("kind", "fn", "entry")
 
-    def __init__(self, stack: _Stack, fn: Any) -> None:
+    def __init__(self, kind: str, fn: Any) -> None:
         if not callable(fn):
             raise TypeError(f"graphscale: an observation point takes a callable, got {type(fn).__name__}.")
-        self.stack, self.fn = stack, fn
+        self.kind, self.fn = kind, fn
         self.entry: Callable[..., Any] | None = None
 
     def __enter__(self) -> None:
@@ -71,12 +77,12 @@ class _Pushed:
         fn = self.fn
         self.entry = entry = (lambda *args: fn(*args))
         with _lock:
-            self.stack.items = (*self.stack.items, entry)
+            setattr(ACTIVE, self.kind, (*getattr(ACTIVE, self.kind), entry))
 
     def __exit__(self, *exc: object) -> None:
         entry, self.entry = self.entry, None
         with _lock:
-            self.stack.items = tuple(e for e in self.stack.items if e is not entry)
+            setattr(ACTIVE, self.kind, tuple(e for e in getattr(ACTIVE, self.kind) if e is not entry))
 
 
 def recording_phases(record: PhaseRecorder) -> _Pushed:
@@ -87,21 +93,21 @@ def recording_phases(record: PhaseRecorder) -> _Pushed:
     "hook calls" (inside the backward) and "adapter" (an adapter's wrapper
     around an engine's own backward); a nested backward's phases start with
     "nested ".  Torch's and DeepSpeed's own work is in none of them."""
-    return _Pushed(_phases, record)
+    return _Pushed("phases", record)
 
 
 def recording_walks(record: WalkRecorder) -> _Pushed:
     """Within the block, ``record(nodes, seconds, multiplications)`` sees every
     walked plan (nodes walked, seconds to walk and plan, multiplications it
     places); the fast path reports ``(0, seconds_to_probe, seeds_scaled)``."""
-    return _Pushed(_walks, record)
+    return _Pushed("walks", record)
 
 
 def recording_routes(record: RouteRecorder) -> _Pushed:
     """Within the block, ``record(route, reason)`` sees every governed
     backward: ``("native", None)``, or ``("python", reason)`` (NOTE [ Which
     route governs a backward ] in _backward/route.py)."""
-    return _Pushed(_routes, record)
+    return _Pushed("routes", record)
 
 
 def record_route(route: str, reason: str | None) -> None:
@@ -112,13 +118,13 @@ def record_route(route: str, reason: str | None) -> None:
     if reason is not None:
         with _lock:
             _declined[reason] = _declined.get(reason, 0) + 1
-    for record in _routes.items:
+    for record in ACTIVE.routes:
         record(route, reason)
 
 
 def routes_recorded() -> bool:
     """Whether any route recorder is active."""
-    return bool(_routes.items)
+    return bool(ACTIVE.routes)
 
 
 def quiet() -> bool:
@@ -147,24 +153,24 @@ class unrecorded:
 def observing(observer_fn: Callable[..., None]) -> _Pushed:
     """Within the block, every top-level governed backward runs as
     ``observer_fn(run, *backward_args)``, which must call ``run(*backward_args)`` once."""
-    return _Pushed(_observers, observer_fn)
+    return _Pushed("observers", observer_fn)
 
 
 def observer() -> Callable[..., None] | None:
     """The innermost active backward observer, or None."""
-    stack = _observers.items
+    stack = ACTIVE.observers
     return stack[-1] if stack else None
 
 
 def record_walk(nodes: int, seconds: float, multiplications: int) -> None:
     """Tell every active walk recorder about one walk (cheap when none is)."""
-    for record in _walks.items:
+    for record in ACTIVE.walks:
         record(nodes, seconds, multiplications)
 
 
 def walks_recorded() -> bool:
     """Whether any walk recorder is active."""
-    return bool(_walks.items)
+    return bool(ACTIVE.walks)
 
 
 def _fan_out(recorders: tuple[PhaseRecorder, ...]) -> PhaseRecorder:
@@ -200,5 +206,5 @@ class Laps:
 def laps(nested: bool = False) -> Laps | None:
     """A lap clock for one backward (``nested``: its phases are prefixed
     "nested "), or None while no phase recorder is active."""
-    recorders = _phases.items
+    recorders = ACTIVE.phases
     return None if not recorders else Laps(_fan_out(recorders), "nested " if nested else "")

@@ -51,5 +51,5 @@ class PlanRequest(NamedTuple):
     @property
     def factor_list(self) -> list[float]:
         """The factors in the snapshot's group order (what the native walker indexes)."""
-        state, factors = self.reading
-        return [factors[g] for g in state.groups]
+        reading = self.reading
+        return list(reading.factor_list) or [reading.factors[g] for g in reading.state.groups]

@@ -3,7 +3,7 @@
 * :class:`State`: the installed groups, who owns which leaf, the unowned
   policy; made by :meth:`State.of` (the one constructor, used by ``install``
   and ``explain``) and published by ``install``/``remove``
-  (:func:`set_current`, :func:`current`);
+  (:func:`set_current`; read as :data:`installed` or :func:`current`);
 * :class:`Reading`: a snapshot with the factors one backward read from it,
   the pair everything that plans or applies a backward carries;
 * :class:`Tables`: what a backward needs that depends only on the snapshot.
@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,10 +31,10 @@ import torch
 
 from . import registry as _registry
 from .errors import ConfigurationError
-from .group import Group
+from .group import Group, read_pins
 
 __all__ = ["UNOWNED_POLICIES", "check_policy", "strictest", "State", "Reading", "Tables", "current",
-           "set_current"]
+           "set_current", "installed"]
 
 # NOTE [ Unowned leaves ]
 # A backward whose graph reaches no owned leaf is left exactly as plain
@@ -142,11 +142,17 @@ class State:
     # Derived from the above, once (NOTE [ Per-snapshot tables ]).
     hook_owners: frozenset[int] = field(init=False, repr=False, compare=False)  # id() of, see _registry.hook_owner
     tables: Tables = field(init=False, repr=False, compare=False)
+    # The policy as the native walker takes it (its index in UNOWNED_POLICIES);
+    # every unowned leaf must get exactly its plain gradient (policy "plain").
+    policy_index: int = field(init=False, repr=False, compare=False)
+    unowned_all_plain: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         owners = (_registry.hook_owner(g) for g in self.groups)
         object.__setattr__(self, "hook_owners", frozenset(id(o) for o in owners if o is not None))
         object.__setattr__(self, "tables", Tables())
+        object.__setattr__(self, "policy_index", UNOWNED_POLICIES.index(self.policy))
+        object.__setattr__(self, "unowned_all_plain", self.policy == "plain")
 
     @classmethod
     def of(cls, groups: Iterable[Group], unowned: str, where: str = "install") -> State:
@@ -191,47 +197,42 @@ class State:
             return self
         fresh = State.of(self.groups, self.policy)
         with _swap_lock:
-            if _current is self:
+            if installed is self:
                 set_current(fresh)
         return fresh
-
-    @property
-    def unowned_all_plain(self) -> bool:
-        """Every unowned leaf must get exactly its plain gradient (policy "plain")."""
-        return self.policy == "plain"
-
-    @property
-    def policy_index(self) -> int:
-        """The policy as the native walker takes it."""
-        return UNOWNED_POLICIES.index(self.policy)
 
     def read(self, scaling: bool = True) -> Reading:
         """Every group's pin, read now (:meth:`Group.pin`: its factor, 1 when
         ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``, times an
-        fp16 engine's loss scale), with this snapshot.  A callable may raise:
+        fp16 engine's loss scale), with this snapshot, or with the one that
+        owns adapter leaves made since (:meth:`ready`).  A callable may raise:
         nothing is touched yet."""
-        return Reading(self, {g: g.pin(scaling) for g in self.groups})
+        state = self.ready() if self.pending else self
+        pins = read_pins(state.groups, scaling)
+        return Reading(state, dict(zip(state.groups, pins)), pins)
 
 
 class Reading(NamedTuple):
     """A snapshot and the factors one backward read from it (one per group):
     what a backward is planned and applied with, and what a backward nested in
-    it is planned with too."""
+    it is planned with too.  ``factor_list``: the same factors in the
+    snapshot's group order (what the native module indexes)."""
 
     state: State
     factors: Mapping[Group, float]
+    factor_list: Sequence[float] = ()
 
 
-_current: State | None = None
+installed: State | None = None  # the snapshot of what is installed now (set_current), read by every backward
 _swap_lock = threading.Lock()
 
 
 def set_current(state: State | None) -> None:
     """Publish the snapshot later backwards read (``install``/``remove`` only)."""
-    global _current
-    _current = state
+    global installed
+    installed = state
 
 
 def current() -> State | None:
     """The snapshot of what is installed now, or None."""
-    return _current
+    return installed

@@ -54,6 +54,9 @@ from typing import Any, Callable, NamedTuple
 __all__ = [
     "CACHE_ENV",
     "MODULE_NAME",
+    "Variant",
+    "RELEASE",
+    "SEAMS",
     "SOURCE",
     "BuildError",
     "Built",
@@ -70,6 +73,22 @@ CACHE_ENV = "GRAPHSCALE_CACHE"
 MODULE_NAME = "graphscale_native_walker"  # the extension's PyInit_ name: torch builds it under this name
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
 CFLAGS = ("-O3",)
+
+
+class Variant(NamedTuple):
+    """One build of ``walker.cpp``: the module name it is built and imported
+    under, and its compiler flags.  :data:`RELEASE` is what graphscale loads;
+    :data:`SEAMS` is the test build, with the hooks' counters, an injected
+    hook failure and a switch that stops binding (``GRAPHSCALE_TEST_SEAMS``;
+    tests/_seams.py loads it beside the release build), which the release
+    build does not carry."""
+
+    module_name: str
+    cflags: tuple[str, ...]
+
+
+RELEASE = Variant(MODULE_NAME, CFLAGS)
+SEAMS = Variant(MODULE_NAME + "_seams", (*CFLAGS, "-DGRAPHSCALE_TEST_SEAMS"))
 FIX = (
     "install a C++ compiler (g++) and ninja (pip install ninja), or point {env} at a writable "
     "directory, then run `python -m graphscale build`; or set GRAPHSCALE_WALKER=python to use the "
@@ -107,7 +126,7 @@ def _safe(part: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "._+" else "_" for ch in part)
 
 
-def cache_key(source: str = SOURCE) -> str:
+def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
     """The build's identity, e.g. ``torch2.13.0+cpu-cpython-311-x86_64-cxx11abi1-3f2a...``.
 
     Anything that changes the compiled library or what it links against is in
@@ -119,7 +138,7 @@ def cache_key(source: str = SOURCE) -> str:
     digest = hashlib.sha256()
     with open(source, "rb") as f:
         digest.update(f.read())
-    digest.update(repr(CFLAGS).encode())
+    digest.update(repr(variant.cflags).encode())
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False)))
     parts = (
         f"torch{torch.__version__}",
@@ -128,28 +147,28 @@ def cache_key(source: str = SOURCE) -> str:
         f"cxx11abi{abi}",
         digest.hexdigest()[:16],
     )
-    return "-".join(_safe(p) for p in parts)
+    return "-".join(_safe(p) for p in parts) + ("" if variant == RELEASE else "-" + variant.module_name)
 
 
-def key_dir(source: str = SOURCE) -> str:
+def key_dir(source: str = SOURCE, variant: Variant = RELEASE) -> str:
     """The cache directory of this interpreter's, torch's and ``source``'s build."""
-    return os.path.join(cache_root(), cache_key(source))
+    return os.path.join(cache_root(), cache_key(source, variant))
 
 
-def built_path(directory: str) -> str:
+def built_path(directory: str, variant: Variant = RELEASE) -> str:
     """Where the build of ``directory`` (a :func:`key_dir`) lives, whether or not it exists."""
-    return os.path.join(directory, MODULE_NAME + (".pyd" if os.name == "nt" else ".so"))
+    return os.path.join(directory, variant.module_name + (".pyd" if os.name == "nt" else ".so"))
 
 
-def import_built(path: str) -> Any:
+def import_built(path: str, variant: Variant = RELEASE) -> Any:
     """Import the extension at ``path``: no compiler, no ninja, no lock.
 
     Not entered in ``sys.modules`` (as torch's own loader does); torch must be
     imported first (it is, by whoever calls this)."""
     import torch  # noqa: F401  - the library links against libtorch's symbols
 
-    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, path)
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader(variant.module_name, path)
+    spec = importlib.util.spec_from_file_location(variant.module_name, path, loader=loader)
     if spec is None:  # pragma: no cover - spec_from_file_location with a loader always gives one
         raise ImportError(f"graphscale: no import spec for {path}")
     module = importlib.util.module_from_spec(spec)
@@ -206,7 +225,8 @@ def summarize(text: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None] | None = None) -> Built:
+def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None] | None = None,
+          variant: Variant = RELEASE) -> Built:
     """Build ``source`` into the cache (or find it built); NOTE [ Native walker cache ].
 
     Runs once per process at most (torch renames a second build of one name
@@ -216,15 +236,15 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
     :class:`BuildError` when the compiler fails, ``OSError`` when the cache
     cannot be written.
     """
-    directory = key_dir(source)
-    target = built_path(directory)
+    directory = key_dir(source, variant)
+    target = built_path(directory, variant)
     failure_log = os.path.join(directory, "build-failure.log")
     os.makedirs(directory, exist_ok=True)
     with _exclusive(os.path.join(directory, "lock"), on_wait):
         if not force and os.path.exists(target):
             t0 = time.perf_counter()
             try:
-                import_built(target)
+                import_built(target, variant)
                 return Built(target, time.perf_counter() - t0, True)
             except ImportError:  # e.g. a torch rebuilt under the same version: build over it
                 pass
@@ -236,9 +256,9 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
             t0 = time.perf_counter()
             try:
                 module = cpp_extension.load(
-                    name=MODULE_NAME,
+                    name=variant.module_name,
                     sources=[source],
-                    extra_cflags=list(CFLAGS),
+                    extra_cflags=list(variant.cflags),
                     build_directory=tmp,
                     verbose=False,
                 )
@@ -251,9 +271,9 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
                     log = None
                 raise BuildError(f"{type(exc).__name__}: {summarize(str(exc))}", log) from exc
             seconds = time.perf_counter() - t0
-            if module.__name__ != MODULE_NAME:  # pragma: no cover - see the docstring
-                raise BuildError(f"torch built {module.__name__!r}, not {MODULE_NAME!r}: build in a fresh process",
-                                 None)
+            if module.__name__ != variant.module_name:  # pragma: no cover - see the docstring
+                raise BuildError(f"torch built {module.__name__!r}, not {variant.module_name!r}: build in a fresh "
+                                 "process", None)
             partial = f"{target}.{os.getpid()}.tmp"
             shutil.copyfile(module.__file__, partial)
             os.replace(partial, target)

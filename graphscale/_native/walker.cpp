@@ -846,58 +846,6 @@ static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
   return true;
 }
 
-// The plan of a backward nested in a node's backward (NOTE [ Nested
-// backward ] in graphscale/_backward/entry.py), in one call: finds `current` in the
-// running plans (`entries`: graphscale._backward.running.Running entries, their .plan,
-// innermost last, searched innermost first), and plans `roots` (tensors or
-// GradientEdges) with that plan's owners, factors, policy and hint, base and
-// carrier its potential, every running plan as outer_phi, no inputs=.
-// Returns (position of that entry in `entries`, NativePlan); None when no
-// running plan has `current` (pass through); NotImplemented when a running
-// plan is not a NativePlan or a root is neither (the caller plans through
-// Python).
-static py::object nested_plan(py::handle current, const py::tuple& entries, const py::tuple& roots,
-                              py::object param_type) {
-  const size_t m = entries.size();
-  std::vector<py::object> keep;  // the plans stay alive while a hint may release the GIL
-  std::vector<const NativePlan*> outer_plans;  // innermost first
-  keep.reserve(m);
-  outer_plans.reserve(m);
-  for (size_t k = m; k-- > 0;) {
-    py::object obj = entries[k].attr("plan");
-    if (!py::isinstance<NativePlan>(obj)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
-    outer_plans.push_back(obj.cast<const NativePlan*>());
-    keep.push_back(std::move(obj));
-  }
-  Node* node = node_of(current.ptr());
-  if (node == nullptr) return py::none();
-  for (size_t q = 0; q < m; ++q) {
-    const NativePlan* op = outer_plans[q];
-    int64_t i = op->index.get(node);
-    if (i < 0) continue;
-    std::vector<Node*> root_nodes;
-    std::vector<NodePtr> leaf_roots;
-    if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
-    Request req;
-    req.owners_obj = op->owners;
-    req.owners = &op->owners.cast<const Owners&>();
-    req.factors = op->factors;
-    req.base = req.carrier = op->phi_disc[i];
-    req.nested = true;
-    req.policy = op->policy;
-    req.param_type = param_type;
-    req.outer_plans = &outer_plans;
-    req.outer_phi = py::none();
-    req.hint = op->hint;
-    req.hint_positions = op->hint_positions;
-    req.hint_cache = op->hint_cache;
-    NativePlan P = plan_core(roots, root_nodes, req);
-    P.leaf_roots = std::move(leaf_roots);
-    return py::make_tuple(static_cast<int64_t>(m - 1 - q), py::cast(std::move(P)));
-  }
-  return py::none();
-}
-
 // Before the fast path (NOTE [ Fast path ] in graphscale/_backward/entry.py): does a
 // backward of `roots` reach an owned leaf, and may it skip planning?  A
 // breadth-first walk that stops as soon as the answer is known: at the first
@@ -966,36 +914,47 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
 // ===================================================================== the governed backward, natively
 //
 // NOTE [ One native call per backward ]
-// graphscale/_backward/entry.py reads the call and the factors (Python: GAS may be
-// a callable, an engine's attribute) and hands the rest to one call here:
-// Governor.top for a top-level backward, govern_nested for one called from
-// inside a node's backward (NOTE [ Nested backward ] there).  That call
-// decides (left alone, the fast path, a plan: graphscale/_backward/decide.py
-// decide), walks and plans, scales the seeds, puts each edge multiplier on
-// its node as a C++ FunctionPostHook (ScaleHook: no Python when it fires),
-// binds the graph task (BindHook, first of the roots' tensor pre-hooks, so
-// before any output hook: NOTE [ Which snapshot an output hook obeys ] in
-// graphscale/_backward/running.py), registers the plan for nested backwards, calls
-// the original torch.autograd.backward, and takes every hook, binding and
-// registration back in a destructor (Undo), on every exit.  It declines
+// graphscale/_backward/entry.py reads the call and the factors (Python: GAS
+// may be a callable, an engine's attribute) and graphscale/_backward/route.py
+// hands the rest to one call here: Governor.top for a top-level backward,
+// govern_nested for one called from inside a node's backward (NOTE [ Nested
+// backward ] in graphscale/_backward/entry.py).  That call decides (left
+// alone, the fast path, a plan: graphscale/_backward/decide.py decide),
+// walks and plans, scales the seeds, puts each edge multiplier on its node as
+// a C++ FunctionPostHook (ScaleHook: no Python when it fires), binds the
+// graph task (BindHook, first of the roots' tensor pre-hooks, so before any
+// output hook: NOTE [ Which snapshot an output hook obeys ] in
+// graphscale/_backward/running.py), registers the plan for nested backwards,
+// calls the original torch.autograd.backward, and takes every hook, binding
+// and registration back in a destructor (Undo), on every exit.  It declines
 // (returns the reason as a short str, having touched nothing) what the
 // Python route handles: a call it cannot read ("call"), a seed it cannot
-// make ("seed"), more than 64 factors ("factors"), a running plan that is
-// not native ("python plan running"), a nested backward in a task bound
-// without a native reading ("python binding").  Python declines before the
-// call what the native hooks cannot do (inputs=, compiled autograd: NOTE [
-// Which route governs a backward ] in graphscale/_backward/route.py).  Same decisions, same plans, same seeds as the Python
-// route (tests/test_native_route.py runs the suite's graphs through both).
+// make ("seed"), more than 64 factors ("factors").  Python declines before
+// the call what the native hooks cannot do (inputs=, compiled autograd: NOTE
+// [ Which route governs a backward ] in graphscale/_backward/route.py).  Same
+// decisions, same plans, same seeds as the Python route
+// (tests/test_native_route.py runs the suite's graphs through both).
+//
+// NOTE [ One running state, both routes ]
+// What is running is kept once, here, for both routes while this module is
+// loaded: the registry of walked plans whose backward runs (RunningEntry:
+// NativePlans, or a Python route's plan past 64 factors), the lookup of the
+// plan a nested backward runs inside (find_enclosing: the registry, else the
+// task's binding), the Binding class, and the binding hook (BindHook).  The
+// Python route registers, looks up and binds through the same functions
+// (graphscale/_backward/running.py dispatches to them); running.py's Python
+// equivalents run only where this module is not loaded, and its Python
+// binding hook also under compiled autograd, which lifts Python hooks only.
+// The graph task -> Binding map is one Python dict (running._by_task) that
+// both kinds of hook write, so output hooks read one map either way.
 
 // Process-wide Python objects the route needs (native.configure, once).
 struct Registry {
-  py::object running;      // graphscale._backward.running._running: the running plans, innermost last
-  py::object running_cls;  // graphscale._backward.running.Running(plan, reading)
-  py::object binding_cls;  // graphscale._backward.running.Binding(reading, potential)
   py::object by_task;      // graphscale._backward.running._by_task: graph task id -> Binding
-  py::object call_module;  // graphscale._backward.call: its ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
-  py::object original() const { return call_module.attr("ORIGINAL_BACKWARD"); }  // read per call: tests spy on it
+  py::object call_module;  // graphscale._backward.call: ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
   py::object param_type;   // torch.nn.Parameter
+  py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
+  py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
 };
 
 // A decline: the reason (a short str) the Python route takes the backward
@@ -1004,18 +963,27 @@ struct Registry {
 static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
-static void configure(py::object running, py::object running_cls, py::object binding_cls, py::object by_task,
-                      py::object call_module, py::object param_type, py::object module_type_) {
+static void configure(py::object by_task, py::object call_module, py::object param_type, py::object module_type_,
+                      py::object carries_attr, py::object innermost) {
   if (registry == nullptr) registry = new Registry();
   Py_XDECREF(module_type);
   module_type = module_type_.inc_ref().ptr();
-  *registry = Registry{running, running_cls, binding_cls, by_task, call_module, param_type};
+  *registry = Registry{by_task, call_module, param_type, carries_attr, innermost};
 }
 
-// Tests: the ScaleHook call that takes this count to 0 throws (0: none does).
+#ifdef GRAPHSCALE_TEST_SEAMS
+// The test build only (graphscale/_native/build.py, variant "seams";
+// tests/_seams.py loads it): hooks made and alive of each kind, ScaleHook
+// calls (hook_tally); the ScaleHook call that takes inject_failure_in to 0
+// throws (0: none does); may_bind False: no graph task is bound (tests that
+// break the binding on purpose).
 static std::atomic<int64_t> inject_failure_in{0};
-// Tests: hooks made, hooks alive (of each kind), ScaleHook calls (native.hook_tally()).
 static std::atomic<int64_t> scale_made{0}, scale_live{0}, bind_made{0}, bind_live{0}, scale_calls{0};
+static std::atomic<bool> may_bind{true};
+#define GS_SEAM(...) __VA_ARGS__
+#else
+#define GS_SEAM(...)
+#endif
 
 using Clock_ = std::chrono::steady_clock;
 static int64_t ns_since(Clock_::time_point t0) {
@@ -1023,21 +991,20 @@ static int64_t ns_since(Clock_::time_point t0) {
 }
 
 // One edge multiplier row on one node: grad_inputs[k] (flowing along
-// next_edges[k]) times m.  What graphscale/_backward/entry.py _post_hook does.
+// next_edges[k]) times m.  What graphscale/_backward/hooks.py post_hook does.
 class ScaleHook : public torch::autograd::FunctionPostHook {
  public:
   ScaleHook(std::vector<std::pair<int64_t, double>> mults, std::shared_ptr<std::atomic<int64_t>> ns)
       : mults_(std::move(mults)), ns_(std::move(ns)) {
-    ++scale_made;
-    ++scale_live;
+    GS_SEAM(++scale_made; ++scale_live;)
   }
-  ~ScaleHook() override { --scale_live; }
+  ~ScaleHook() override { GS_SEAM(--scale_live;) }
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
     const auto t0 = Clock_::now();
-    ++scale_calls;
-    if (inject_failure_in.load(std::memory_order_relaxed) > 0 && inject_failure_in.fetch_sub(1) == 1)
-      throw std::runtime_error("graphscale: a hook failure injected by a test");
+    GS_SEAM(++scale_calls;
+            if (inject_failure_in.load(std::memory_order_relaxed) > 0 && inject_failure_in.fetch_sub(1) == 1)
+                throw std::runtime_error("graphscale: a hook failure injected by a test");)
     torch::autograd::variable_list out(outputs);
     for (const auto& km : mults_) {
       const size_t k = static_cast<size_t>(km.first);
@@ -1052,6 +1019,82 @@ class ScaleHook : public torch::autograd::FunctionPostHook {
   std::shared_ptr<std::atomic<int64_t>> ns_;
 };
 
+// What a natively governed backward's snapshot contributes (one per
+// snapshot, kept in its tables): its owners, policy, checkpoint hint (node ->
+// group position or None), whether it governs objects with output hooks, and
+// the callable that warns about groups a backward missed.
+struct Governor {
+  py::object owners_obj;
+  const Owners* owners = nullptr;
+  int policy = kAny;
+  py::object hint;
+  bool hook_owners = false;
+  py::object warn;
+  std::unique_ptr<HintCache> hints = std::make_unique<HintCache>();
+  Governor(py::object owners_, int policy_, py::object hint_, bool hook_owners_, py::object warn_)
+      : owners_obj(owners_), owners(&owners_.cast<const Owners&>()), policy(policy_), hint(hint_),
+        hook_owners(hook_owners_), warn(warn_) {
+    if (policy < kAny || policy > kPlain) throw std::invalid_argument("graphscale: unknown unowned policy");
+  }
+};
+
+// A running graph task's binding (NOTE [ Which snapshot an output hook
+// obeys ] in graphscale/_backward/running.py; NOTE [ One running state, both
+// routes ]): the Reading that governs the task; where no plan of it exists,
+// the potential everything in it carries (None: nested backwards are left
+// alone; NOTE [ Fast path ] in graphscale/_backward/entry.py), with the
+// snapshot's Governor and the factors to plan them natively; `once` and
+// `on_failure` shared with the binding of the task it runs inside (NOTE [
+// Once per backward ] in running.py, NOTE [ A backward that raised ] in
+// graphscale/_backward/frames.py); `reference`: a reference pass (audit).
+struct Binding {
+  py::object reading;
+  py::object potential = py::none();
+  py::object once;
+  py::object on_failure;
+  bool reference = false;
+  py::object governor = py::none();
+  std::vector<double> factors;
+};
+
+// The binding of the graph task this thread runs a node of (borrowed), or nullptr.
+static PyObject* current_binding() {
+  PyObject* dict = registry->by_task.ptr();
+  if (PyDict_GET_SIZE(dict) == 0) return nullptr;
+  const int tid = torch::autograd::get_current_graph_task_id();
+  if (tid < 0) return nullptr;
+  PyObject* key = PyLong_FromLong(tid);
+  if (key == nullptr) throw py::error_already_set();
+  PyObject* found = PyDict_GetItem(dict, key);  // borrowed; no error set
+  Py_DECREF(key);
+  return found;
+}
+
+// A new Binding, joining the one of the task this thread runs inside (its
+// `once`, `on_failure` and `reference`), else with a new `once` and the
+// given `on_failure` (where None: the innermost top-level backward's on
+// this thread, NOTE [ A backward that raised ]).
+static py::object make_binding(py::object reading, py::object potential, py::object on_failure, bool reference,
+                               py::object governor, std::vector<double> factors) {
+  Binding b;
+  b.reading = std::move(reading);
+  b.potential = std::move(potential);
+  b.governor = std::move(governor);
+  b.factors = std::move(factors);
+  b.reference = reference;
+  PyObject* enclosing = current_binding();
+  if (enclosing != nullptr) {  // a native Binding, or running.py's Python one (a reference pass)
+    py::handle e(enclosing);
+    b.once = e.attr("once");
+    b.on_failure = e.attr("on_failure");
+    b.reference = b.reference || e.attr("reference").cast<bool>();
+  } else {
+    b.once = py::reinterpret_steal<py::object>(PySet_New(nullptr));
+    b.on_failure = on_failure.is_none() ? registry->innermost() : on_failure;
+  }
+  return py::cast(std::move(b));
+}
+
 // What one backward's binding hooks share: the Binding, the tasks they bound.
 struct BindState {
   PyObject* binding = nullptr;  // strong; released by Undo, with the GIL
@@ -1060,14 +1103,11 @@ struct BindState {
 };
 
 // Records graph task id -> Binding in graphscale._backward.running._by_task when the
-// task runs its first node (graphscale/_backward/running.py bound._bind does the same).
+// task runs its first node (running.py's Python hook does the same).
 class BindHook : public torch::autograd::FunctionPreHook {
  public:
-  explicit BindHook(std::shared_ptr<BindState> st) : st_(std::move(st)) {
-    ++bind_made;
-    ++bind_live;
-  }
-  ~BindHook() override { --bind_live; }
+  explicit BindHook(std::shared_ptr<BindState> st) : st_(std::move(st)) { GS_SEAM(++bind_made; ++bind_live;) }
+  ~BindHook() override { GS_SEAM(--bind_live;) }
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
     const int tid = torch::autograd::get_current_graph_task_id();
     if (tid < 0) return grads;
@@ -1089,18 +1129,115 @@ class BindHook : public torch::autograd::FunctionPreHook {
   std::shared_ptr<BindState> st_;
 };
 
-// The running plans the native route registered, innermost last, beside
-// the Python registry (graphscale._backward.running._running) that holds their
-// entries: a nested backward finds its enclosing plan here without a Python
-// call.  Changed and read with the GIL held only.  When the Python registry
-// holds more entries (the Python route registered some), a nested backward
-// declines to the Python route.
+// The registry of walked plans whose backward is running, any thread,
+// innermost last (NOTE [ One running state, both routes ]).  `plan` is null
+// for a Python route's Python plan (past 64 factors: asked through
+// phi_of).  Changed and read with the GIL held only.
 struct RunningEntry {
   const NativePlan* plan;
-  PyObject* entry;    // the Running entry (holds the plan object and the reading)
-  PyObject* reading;  // borrowed from the entry
+  PyObject* plan_obj;  // strong
+  PyObject* reading;   // strong
+  uint64_t token;
 };
 static std::vector<RunningEntry> native_running;
+static uint64_t next_token = 1;
+
+static uint64_t push_running(py::object plan_obj, py::object reading) {
+  const NativePlan* p = py::isinstance<NativePlan>(plan_obj) ? plan_obj.cast<const NativePlan*>() : nullptr;
+  const uint64_t token = next_token++;
+  native_running.push_back(RunningEntry{p, plan_obj.release().ptr(), reading.release().ptr(), token});
+  return token;
+}
+
+static void pop_running(uint64_t token) {
+  for (size_t i = native_running.size(); i-- > 0;)
+    if (native_running[i].token == token) {
+      PyObject* plan_obj = native_running[i].plan_obj;
+      PyObject* reading = native_running[i].reading;
+      native_running.erase(native_running.begin() + static_cast<std::ptrdiff_t>(i));
+      Py_DECREF(plan_obj);
+      Py_DECREF(reading);
+      return;
+    }
+}
+
+// (plan, reading) of every running entry, innermost last.
+static py::list running_entries() {
+  py::list out;
+  for (const auto& e : native_running)
+    out.append(py::make_tuple(py::reinterpret_borrow<py::object>(e.plan_obj),
+                              py::reinterpret_borrow<py::object>(e.reading)));
+  return out;
+}
+
+// What a backward nested inside `node` is planned with: the running plan
+// that walked `node` (innermost first) and its potential there, or, inside
+// a backward left unplanned, its task's binding and the potential bound.
+struct Enclosing {
+  enum Kind { kNone, kPlan, kBound, kPython } kind = kNone;
+  const NativePlan* plan = nullptr;   // kPlan
+  py::object reading;                 // kPlan, kBound
+  double phi = 1.0;                   // the potential everything nested carries
+  const Binding* binding = nullptr;   // kBound (alive while `keep` is)
+  py::object keep;                    // the entry's plan object, or the binding
+  std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first
+};
+
+// The one nested-plan lookup (NOTE [ One running state, both routes ]).
+// kPython: a running Python plan walked `node` (only the Python route,
+// past 64 factors, makes one), so the Python route plans it.
+static Enclosing find_enclosing(Node* node) {
+  Enclosing out;
+  out.outer_plans.reserve(native_running.size());
+  for (size_t k = native_running.size(); k-- > 0;)
+    if (native_running[k].plan != nullptr) out.outer_plans.push_back(native_running[k].plan);
+  for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
+    const RunningEntry& e = native_running[k];
+    if (e.plan == nullptr) {
+      py::object phi = py::reinterpret_borrow<py::object>(e.plan_obj).attr("phi_of")(py_of(node));
+      if (phi.is_none()) continue;
+      out.kind = Enclosing::kPython;
+      return out;
+    }
+    const int64_t i = e.plan->index.get(node);
+    if (i < 0) continue;
+    out.kind = Enclosing::kPlan;
+    out.plan = e.plan;
+    out.phi = e.plan->phi_disc[i];
+    out.reading = py::reinterpret_borrow<py::object>(e.reading);
+    out.keep = py::reinterpret_borrow<py::object>(e.plan_obj);
+    return out;
+  }
+  PyObject* bound = current_binding();
+  if (bound == nullptr) return out;
+  py::handle b(bound);
+  if (!py::isinstance<Binding>(b)) return out;  // a reference pass's Python binding: nothing nested is planned
+  const Binding& binding = b.cast<const Binding&>();
+  if (binding.potential.is_none() || binding.governor.is_none()) return out;
+  out.kind = Enclosing::kBound;
+  out.binding = &binding;
+  out.phi = binding.potential.cast<double>();
+  out.reading = binding.reading;
+  out.keep = py::reinterpret_borrow<py::object>(b);
+  return out;
+}
+
+// The potential a running plan gave `node`, or None: what the Python
+// route's nested plan with inputs= asks per node (its outer_phi).
+static py::object enclosing_phi(py::handle obj) {
+  Node* node = node_of(obj.ptr());
+  for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
+    const RunningEntry& e = native_running[k];
+    if (e.plan == nullptr) {
+      py::object phi = py::reinterpret_borrow<py::object>(e.plan_obj).attr("phi_of")(obj);
+      if (!phi.is_none()) return phi;
+      continue;
+    }
+    const int64_t i = e.plan->index.get(node);
+    if (i >= 0) return py::float_(e.plan->phi_disc[i]);
+  }
+  return py::none();
+}
 
 // Everything one governed backward added, taken back when it goes out of
 // scope (normal return or exception); runs with the GIL held.
@@ -1109,7 +1246,7 @@ struct Undo {
   std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> binds;
   std::vector<NodePtr> keep;  // the nodes hooked, alive until unhooked
   std::shared_ptr<BindState> bind;
-  PyObject* entry = nullptr;  // the Running entry appended to the registry (strong)
+  uint64_t token = 0;  // the registry entry (0: none)
   std::shared_ptr<std::atomic<int64_t>> hook_ns = std::make_shared<std::atomic<int64_t>>(0);
   int64_t* off_ns = nullptr;
 
@@ -1129,20 +1266,7 @@ struct Undo {
     }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  // a pending Python error survives the clean-up
-    if (entry != nullptr) {
-      for (size_t i = native_running.size(); i-- > 0;)
-        if (native_running[i].entry == entry) {
-          native_running.erase(native_running.begin() + static_cast<std::ptrdiff_t>(i));
-          break;
-        }
-      PyObject* list = registry->running.ptr();
-      for (Py_ssize_t i = PyList_GET_SIZE(list); i-- > 0;)
-        if (PyList_GET_ITEM(list, i) == entry) {
-          PyList_SetSlice(list, i, i + 1, nullptr);
-          break;
-        }
-      Py_DECREF(entry);
-    }
+    if (token != 0) pop_running(token);
     if (bind) {
       std::vector<int> tasks;
       {
@@ -1161,6 +1285,25 @@ struct Undo {
     keep.clear();
     if (off_ns != nullptr) *off_ns = ns_since(t0);
   }
+
+  // Bind the graph task of a backward of `nodes` to `binding`: a BindHook
+  // first in each distinct node's tensor pre-hooks.
+  void bind_roots(const std::vector<Node*>& nodes, py::object binding) {
+    GS_SEAM(if (!may_bind.load()) return;)
+    bind = std::make_shared<BindState>();
+    bind->binding = binding.release().ptr();
+    for (Node* n : nodes) {
+      bool seen = false;
+      for (auto& nb : binds) seen = seen || nb.first == n;
+      if (seen || n == nullptr) continue;
+      auto hook = std::make_unique<BindHook>(bind);
+      const torch::autograd::FunctionPreHook* raw_hook = hook.get();
+      keep.push_back(n->getptr());
+      auto& hooks = n->tensor_pre_hooks();
+      hooks.insert(hooks.begin(), std::move(hook));
+      binds.emplace_back(n, raw_hook);
+    }
+  }
 };
 
 // What Governor.top and govern_nested return when asked for stats:
@@ -1175,9 +1318,6 @@ struct Outcome {
     return py::make_tuple(kind, nodes, multiplications, ns[0], ns[1], ns[2], ns[3], ns[4], ns[5]);
   }
 };
-
-// The root's Node pointer and the NodePtr that keeps it alive.
-static NodePtr node_ptr(Node* n) { return n->getptr(); }
 
 // Seeds: grads[r] times mults[r] (None where the seed is torch's implicit
 // one of a scalar tensor: full of mults[r]).  False where a seed cannot be
@@ -1220,43 +1360,41 @@ static void call_original(py::handle roots, py::handle seeds, py::handle retain,
   Py_DECREF(out);
 }
 
-// Everything but the decision: seeds, hooks, registration, binding, the
-// original backward.  `plan_obj`: the NativePlan (None unless planned);
-// `potential`: what a nested backward inside is planned from (NaN: none);
-// `bind`: whether the task is bound.
-struct Apply {
+// Root nodes of a call, kept alive, and the call's flags (retain_graph,
+// create_graph, inputs).  False where the native route declines it: a seed
+// count that differs, a root neither a tensor nor an edge, or one that needs
+// no grad (torch raises its own error; the Python route lets it).
+struct Roots {
   py::tuple roots;
   py::list grads;
   std::vector<Node*> nodes;
-  py::object reading;
-  py::object plan_obj;
-  NativePlan* plan = nullptr;
-  std::vector<double> mults;  // per root
-  bool bind = false;
-  double potential = std::nan("");
-  py::object task_reading;  // set on the Binding as .native when a potential is bound
+  std::vector<NodePtr> leaf_roots;
   py::object retain_graph, create_graph, inputs;
-  py::list seeds;  // what torch is handed (make_seeds)
-  bool may_bind = true;  // flags[3]: False only in tests that break the binding on purpose
 
-  // The call: roots, seeds, flags (retain_graph, create_graph, inputs, may
-  // bind), the roots' nodes (leaf roots' accumulators kept in `leaf_roots`).
-  // False where the native route declines it: a seed count that differs, a
-  // root neither a tensor nor an edge, or one that needs no grad (torch
-  // raises its own error; the Python route lets it).
-  bool read(const py::tuple& roots_, const py::list& grads_, const py::tuple& flags,
-            std::vector<NodePtr>* leaf_roots) {
+  bool read(const py::tuple& roots_, const py::list& grads_, const py::tuple& flags) {
     roots = roots_;
     grads = grads_;
     retain_graph = flags[0];
     create_graph = flags[1];
     inputs = flags[2];
-    may_bind = flags[3].cast<bool>();
-    if (py::len(grads) != roots.size() || !root_nodes_of(roots, &nodes, leaf_roots)) return false;
+    if (py::len(grads) != roots.size() || !root_nodes_of(roots, &nodes, &leaf_roots)) return false;
     for (Node* n : nodes)
       if (n == nullptr) return false;
     return true;
   }
+};
+
+// Everything but the decision: seeds, hooks, registration, binding, the
+// original backward.  `plan_obj`: the NativePlan (None unless planned);
+// `binding`: the task's Binding (None: not bound).
+struct Apply {
+  Roots call;
+  py::object reading;
+  py::object plan_obj;
+  NativePlan* plan = nullptr;
+  std::vector<double> mults;  // per root
+  py::object binding = py::none();
+  py::list seeds;  // what torch is handed (make_seeds)
 };
 
 // The seeds of `a.mults` into `a.seeds`, before anything is touched; false
@@ -1266,8 +1404,8 @@ static bool make_seeds(Apply& a, Outcome* oc) {
   bool scaled = false;
   for (double m : a.mults) scaled = scaled || m != 1.0;
   if (!scaled) {
-    a.seeds = a.grads;
-  } else if (!scaled_seeds(a.roots, a.grads, a.mults, &a.seeds)) {
+    a.seeds = a.call.grads;
+  } else if (!scaled_seeds(a.call.roots, a.call.grads, a.mults, &a.seeds)) {
     return false;
   }
   oc->ns[1] = ns_since(t0);
@@ -1282,65 +1420,18 @@ static void run_applied(Apply& a, Outcome* oc) {
     const NativePlan& P = *a.plan;
     for (size_t h = 0; h < P.hook_nodes.size(); ++h) {
       Node* node = P.found[P.hook_nodes[h]];
-      undo.keep.push_back(node_ptr(node));
+      undo.keep.push_back(node->getptr());
       undo.posts.emplace_back(node, node->add_post_hook(std::make_unique<ScaleHook>(P.hook_mults[h], undo.hook_ns)));
     }
-    py::object entry = registry->running_cls(a.plan_obj, a.reading);
-    if (PyList_Append(registry->running.ptr(), entry.ptr()) < 0) throw py::error_already_set();
-    undo.entry = entry.release().ptr();
-    native_running.push_back(RunningEntry{a.plan, undo.entry, a.reading.ptr()});
+    undo.token = push_running(a.plan_obj, a.reading);
   }
   oc->ns[2] = ns_since(t0);
   t0 = Clock_::now();
-  if (a.bind && a.may_bind) {
-    py::object potential = py::none();
-    if (!std::isnan(a.potential)) potential = py::float_(a.potential);
-    py::object binding = registry->binding_cls(a.reading, potential);
-    if (!a.task_reading.is_none()) binding.attr("native") = a.task_reading;
-    undo.bind = std::make_shared<BindState>();
-    undo.bind->binding = binding.release().ptr();
-    for (Node* n : a.nodes) {
-      bool seen = false;
-      for (auto& nb : undo.binds) seen = seen || nb.first == n;
-      if (seen || n == nullptr) continue;
-      auto hook = std::make_unique<BindHook>(undo.bind);
-      const torch::autograd::FunctionPreHook* raw_hook = hook.get();
-      undo.keep.push_back(node_ptr(n));
-      auto& hooks = n->tensor_pre_hooks();
-      hooks.insert(hooks.begin(), std::move(hook));
-      undo.binds.emplace_back(n, raw_hook);
-    }
-  }
+  if (!a.binding.is_none()) undo.bind_roots(a.call.nodes, std::move(a.binding));
   oc->ns[3] = ns_since(t0);
-  call_original(a.roots, a.seeds, a.retain_graph, a.create_graph, a.inputs);
+  call_original(a.call.roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
   oc->ns[4] = undo.hook_ns->load();
 }
-
-// What a natively governed backward's snapshot contributes (one per
-// snapshot, kept in its tables): its owners, policy, checkpoint hint (node ->
-// group position or None), whether it governs objects with output hooks, and
-// the callable that warns about groups a backward missed.
-struct Governor {
-  py::object owners_obj;
-  const Owners* owners = nullptr;
-  int policy = kAny;
-  py::object hint;
-  bool hook_owners = false;
-  py::object warn;
-  std::unique_ptr<HintCache> hints = std::make_unique<HintCache>();
-  Governor(py::object owners_, int policy_, py::object hint_, bool hook_owners_, py::object warn_)
-      : owners_obj(owners_), owners(&owners_.cast<const Owners&>()), policy(policy_), hint(hint_),
-        hook_owners(hook_owners_), warn(warn_) {
-    if (policy < kAny || policy > kPlain) throw std::invalid_argument("graphscale: unknown unowned policy");
-  }
-};
-
-// A Binding's native reading (its .native): what a backward nested in a task
-// bound with a potential is planned with.
-struct TaskReading {
-  py::object governor;
-  std::vector<double> factors;
-};
 
 static Request request_of(const Governor& g, const std::vector<double>& factors) {
   Request req;
@@ -1357,15 +1448,14 @@ static Request request_of(const Governor& g, const std::vector<double>& factors)
 }
 
 // Plan with `req`; false when the native planner declines (> 64 factors).
-static bool plan_into(Apply& a, const Request& req, py::object gov_obj, std::vector<NodePtr>&& leaf_roots,
-                      Outcome* oc) {
+static bool plan_into(Apply& a, const Request& req, py::object gov_obj, Outcome* oc) {
   NativePlan P;
   try {
-    P = plan_core(a.roots, a.nodes, req);
+    P = plan_core(a.call.roots, a.call.nodes, req);
   } catch (const std::overflow_error&) {
     return false;
   }
-  P.leaf_roots = std::move(leaf_roots);
+  P.leaf_roots = std::move(a.call.leaf_roots);
   P.governor = gov_obj;
   a.plan_obj = py::cast(std::move(P));
   a.plan = a.plan_obj.cast<NativePlan*>();
@@ -1373,35 +1463,54 @@ static bool plan_into(Apply& a, const Request& req, py::object gov_obj, std::vec
   return true;
 }
 
+// What each root's seed carries already: the tag an fp16 engine.scale()
+// left on it (graphscale/_backward/frames.py CARRIES_ATTR), else `dflt` (an
+// fp16 engine.backward's loss scale).
+static std::vector<double> carries_of(const py::tuple& roots, double dflt) {
+  std::vector<double> out(roots.size(), dflt);
+  for (size_t r = 0; r < roots.size(); ++r) {
+    PyObject* t = roots[r].ptr();
+    if (!THPVariable_Check(t)) continue;
+    PyObject** dictptr = _PyObject_GetDictPtr(t);
+    if (dictptr == nullptr || *dictptr == nullptr) continue;
+    PyObject* tag = PyDict_GetItem(*dictptr, registry->carries_attr.ptr());  // borrowed
+    if (tag != nullptr) out[r] = PyFloat_AsDouble(tag);
+  }
+  if (PyErr_Occurred()) throw py::error_already_set();
+  return out;
+}
+
 // Governor.top: a top-level governed backward (graphscale/_backward/entry.py
-// _run_top_level from the decision on).  factors: by group position;
-// carries: what each seed carries already.
-static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads,
-                             const std::vector<double>& factors, const std::vector<double>& carries,
-                             py::object reading, const py::tuple& flags, bool want_stats) {
+// and python.py from the decision on).  factors: by group position;
+// frame: (scaling, what the seeds carry by default, the backward's
+// on_failure list), graphscale/_backward/frames.py.
+static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads, py::object reading,
+                             const py::tuple& flags, py::object frame, bool want_stats) {
   const Governor& g = self.cast<const Governor&>();
   Outcome oc;
   Apply a;
-  std::vector<NodePtr> leaf_roots;
-  if (!a.read(roots, grads, flags, &leaf_roots)) return declined("call");
+  if (!a.call.read(roots, grads, flags)) return declined("call");
   a.reading = reading;
   auto t0 = Clock_::now();
+  const std::vector<double> factors = reading.attr("factor_list").cast<std::vector<double>>();
+  const std::vector<double> carries = carries_of(roots, frame.attr("carries").cast<double>());
   bool same = true;
   for (double f : factors) same = same && f == factors[0];
   const double f = factors.empty() ? 1.0 : factors[0];
   bool carry_nothing = true;
   for (double c : carries) carry_nothing = carry_nothing && c == 1.0;
   bool plan_it = !same;
+  double potential = std::nan("");
   if (same && !(f == 1.0 && carry_nothing)) {
-    const int code = probe_nodes(a.nodes, *g.owners, g.policy, registry->param_type);
+    const int code = probe_nodes(a.call.nodes, *g.owners, g.policy, registry->param_type);
     const int verdict = code & 3;
     const bool hidden = code & 4;
     if (verdict == 0 && !hidden) {
     } else if (verdict == 0 && carry_nothing) {
-      a.potential = 1.0;
+      potential = 1.0;
     } else if (verdict == 1) {
       oc.kind = kFast;
-      if (hidden && g.policy != kAny) a.potential = f;
+      if (hidden && g.policy != kAny) potential = f;
       a.mults.resize(roots.size());
       for (size_t r = 0; r < carries.size(); ++r) a.mults[r] = f / carries[r];
     } else {
@@ -1410,7 +1519,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   }
   if (plan_it) {
     Request req = request_of(g, factors);
-    if (!plan_into(a, req, self, std::move(leaf_roots), &oc)) return declined("factors");
+    if (!plan_into(a, req, self, &oc)) return declined("factors");
     const NativePlan& P = *a.plan;
     if (P.owned_leaves || P.custom_nodes) {
       oc.kind = kPlanned;
@@ -1423,12 +1532,6 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   }
   if (a.mults.empty()) a.mults.assign(roots.size(), 1.0);
   if (!make_seeds(a, &oc)) return declined("seed");
-  if (!std::isnan(a.potential)) {
-    auto tr = std::make_unique<TaskReading>();
-    tr->governor = self;
-    tr->factors = factors;
-    a.task_reading = py::cast(std::move(tr));
-  }
   oc.ns[0] = ns_since(t0) - oc.ns[1];  // the seeds are their own phase
   int64_t scaled = 0;
   for (double m : a.mults) scaled += m != 1.0;
@@ -1441,104 +1544,122 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   } else {
     oc.multiplications = scaled;
   }
-  a.bind = !std::isnan(a.potential) || (g.hook_owners && (oc.kind != kPlanned || a.plan->tensor_hooks));
+  const bool has_potential = !std::isnan(potential);
+  if (has_potential || (g.hook_owners && (oc.kind != kPlanned || a.plan->tensor_hooks)))
+    a.binding = make_binding(reading, has_potential ? py::object(py::float_(potential)) : py::none(),
+                             frame.attr("on_failure"), false, has_potential ? self : py::none(), factors);
   run_applied(a, &oc);
   return want_stats ? oc.stats() : py::none();
 }
 
-// A backward called from inside `current`'s backward (NOTE [ Nested
-// backward ] in graphscale/_backward/entry.py; _backward/decide.py plan_nested then
-// _backward/entry.py _run_plan, natively).
-static py::object govern_nested(py::handle current, const py::tuple& roots, const py::list& grads,
-                                const py::tuple& flags, bool want_stats) {
-  if (registry == nullptr) return declined("not configured");
-  Outcome oc;
-  Apply a;
-  std::vector<NodePtr> leaf_roots;
-  if (!a.read(roots, grads, flags, &leaf_roots)) return declined("call");
-  auto t0 = Clock_::now();
-  const size_t m = native_running.size();
-  if (static_cast<size_t>(PyList_GET_SIZE(registry->running.ptr())) != m) return declined("python plan running");
-  std::vector<py::object> keep;  // the entries stay alive while a hint may run Python
-  std::vector<const NativePlan*> outer_plans;  // innermost first
-  std::vector<PyObject*> readings;
-  keep.reserve(m);
-  outer_plans.reserve(m);
-  for (size_t k = m; k-- > 0;) {
-    outer_plans.push_back(native_running[k].plan);
-    readings.push_back(native_running[k].reading);
-    keep.push_back(py::reinterpret_borrow<py::object>(native_running[k].entry));
-  }
-  Node* node = node_of(current.ptr());
-  const NativePlan* op = nullptr;
-  size_t q = 0;
-  for (; node != nullptr && q < m; ++q) {
-    if (outer_plans[q]->index.get(node) >= 0) {
-      op = outer_plans[q];
-      break;
-    }
-  }
+// A request for a backward nested where `e` says (kPlan or kBound).
+static Request nested_request(const Enclosing& e, py::object* gov_obj) {
   Request req;
-  py::object gov_obj;
-  if (op != nullptr) {
-    if (op->governor.is_none()) return declined("python plan running");
-    gov_obj = op->governor;
+  if (e.kind == Enclosing::kPlan) {
+    const NativePlan* op = e.plan;
+    *gov_obj = op->governor;
     req.owners_obj = op->owners;
     req.owners = op->owners_ptr;
     req.factors = op->factors;
-    req.base = req.carrier = op->phi_disc[op->index.get(node)];
     req.policy = op->policy;
     req.param_type = registry->param_type;
     req.hint = op->hint;
     req.hint_positions = op->hint_positions;
     req.hint_cache = op->hint_cache;
-    a.reading = py::reinterpret_borrow<py::object>(readings[q]);
-  } else {  // inside a backward left unplanned: its task's binding says (NOTE [ Fast path ])
-    PyObject* binding = nullptr;
-    if (PyDict_GET_SIZE(registry->by_task.ptr()) > 0) {
-      py::object key = py::int_(torch::autograd::get_current_graph_task_id());
-      binding = PyDict_GetItem(registry->by_task.ptr(), key.ptr());  // borrowed
-    }
-    if (binding == nullptr) {  // ungoverned: untouched, unbound
-      call_original(roots, grads, a.retain_graph, a.create_graph, a.inputs);
-      return want_stats ? oc.stats() : py::none();
-    }
-    py::handle b(binding);
-    py::object native = py::getattr(b, "native", py::none());
-    py::object potential = b.attr("potential");
-    if (native.is_none() || potential.is_none()) return declined("python binding");
-    const TaskReading& tr = native.cast<const TaskReading&>();
-    gov_obj = tr.governor;
-    req = request_of(gov_obj.cast<const Governor&>(), tr.factors);
-    req.base = req.carrier = potential.cast<double>();
-    a.reading = b.attr("reading");
+  } else {
+    *gov_obj = e.binding->governor;
+    req = request_of(gov_obj->cast<const Governor&>(), e.binding->factors);
   }
+  req.base = req.carrier = e.phi;
   req.nested = true;
-  req.outer_plans = &outer_plans;
+  req.outer_plans = &e.outer_plans;
   req.outer_phi = py::none();
-  if (!plan_into(a, req, gov_obj, std::move(leaf_roots), &oc)) return declined("factors");
+  return req;
+}
+
+// A backward called from inside `current`'s backward (NOTE [ Nested
+// backward ] in graphscale/_backward/entry.py; plan_nested then the Python
+// route's plan step, natively).
+static py::object govern_nested(py::handle current, const py::tuple& roots, const py::list& grads,
+                                const py::tuple& flags, bool want_stats) {
+  if (registry == nullptr) return declined("native walker not ready");
+  Outcome oc;
+  Apply a;
+  if (!a.call.read(roots, grads, flags)) return declined("call");
+  auto t0 = Clock_::now();
+  const Enclosing e = find_enclosing(node_of(current.ptr()));
+  if (e.kind == Enclosing::kPython) return declined("factors");
+  if (e.kind == Enclosing::kNone) {  // ungoverned (or left alone): untouched, unbound
+    call_original(roots, grads, a.call.retain_graph, a.call.create_graph, a.call.inputs);
+    return want_stats ? oc.stats() : py::none();
+  }
+  a.reading = e.reading;
+  py::object gov_obj;
+  const Request req = nested_request(e, &gov_obj);
+  if (!plan_into(a, req, gov_obj, &oc)) return declined("factors");
   const NativePlan& P = *a.plan;
   a.mults.assign(P.seeds.begin(), P.seeds.end());
   if (!make_seeds(a, &oc)) return declined("seed");
   oc.kind = kPlanned;
   oc.multiplications = P.multiplications;
   oc.ns[0] = ns_since(t0) - oc.ns[1];  // the seeds are their own phase
-  a.bind = gov_obj.cast<const Governor&>().hook_owners && P.tensor_hooks;
+  if (gov_obj.cast<const Governor&>().hook_owners && P.tensor_hooks)
+    a.binding = make_binding(e.reading, py::none(), py::none(), false, py::none(), {});
   run_applied(a, &oc);
   return want_stats ? oc.stats() : py::none();
 }
 
-// Tests: how many post-hooks and tensor pre-hooks `node` has.
-static py::tuple hook_counts(py::handle node) {
-  Node* n = node_of(node.ptr());
-  if (n == nullptr) return py::make_tuple(0, 0);
-  return py::make_tuple(n->post_hooks().size(), n->tensor_pre_hooks().size());
+// The Python route's nested plan (graphscale/_backward/decide.py
+// plan_nested), through the one lookup: (reading, NativePlan), None where
+// nothing governs it, or "python" where a running Python plan walked
+// `current` (the Python route looks it up itself).
+static py::object nested_plan(py::handle current, const py::tuple& roots) {
+  const Enclosing e = find_enclosing(node_of(current.ptr()));
+  if (e.kind == Enclosing::kNone) return py::none();
+  if (e.kind == Enclosing::kPython) return py::str("python");
+  Roots call;
+  if (!root_nodes_of(roots, &call.nodes, &call.leaf_roots)) return py::str("python");
+  py::object gov_obj;
+  NativePlan P = plan_core(roots, call.nodes, nested_request(e, &gov_obj));
+  P.leaf_roots = std::move(call.leaf_roots);
+  P.governor = gov_obj;
+  return py::make_tuple(e.reading, py::cast(std::move(P)));
 }
 
+// A graph task's binding for the Python route and the tools
+// (graphscale/_backward/running.py bound): `binding` on the roots' nodes,
+// as govern_top binds, until __exit__; __enter__ gives the roots back.
+struct Bound {
+  py::tuple roots;
+  std::unique_ptr<Undo> undo;
+};
+
+static Bound make_bound(const py::tuple& roots, py::object binding) {
+  Bound b;
+  b.roots = roots;
+  Roots call;
+  if (!root_nodes_of(roots, &call.nodes, &call.leaf_roots))
+    throw std::invalid_argument("graphscale: bound() got a root that is neither a tensor nor an edge");
+  b.undo = std::make_unique<Undo>();
+  for (Node* n : call.nodes)
+    if (n == nullptr) throw std::invalid_argument("graphscale: bound() got a root that needs no gradient");
+  b.undo->bind_roots(call.nodes, std::move(binding));
+  for (auto& acc : call.leaf_roots) b.undo->keep.push_back(std::move(acc));
+  return b;
+}
+
+// The Python route's registration of a plan for nested backwards: a
+// context manager whose exit takes the entry out (running.py's running_plan).
+struct RunningPlan {
+  uint64_t token = 0;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "graphscale native walk + plan (see graphscale/_core/plan.py NOTE [ Potentials ])";
-  py::class_<Owners>(m, "Owners").def(py::init<const std::vector<uintptr_t>&, const std::vector<int>&>());
-  py::class_<NativePlan>(m, "NativePlan")
+  m.doc() = "graphscale native walk + plan + governed backward (see graphscale/_core/plan.py NOTE [ Potentials ])";
+  // module_local: the test build (tests/_seams.py) may be loaded beside this one.
+  py::class_<Owners>(m, "Owners", py::module_local())
+      .def(py::init<const std::vector<uintptr_t>&, const std::vector<int>&>());
+  py::class_<NativePlan>(m, "NativePlan", py::module_local())
       .def_readonly("seeds", &NativePlan::seeds)
       .def_readonly("num_nodes", &NativePlan::num_nodes)
       .def_readonly("multiplications", &NativePlan::multiplications)
@@ -1553,20 +1674,49 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("hooks", &NativePlan::hooks)
       .def("phi_of", &NativePlan::phi_of);
   m.def("plan", &plan);
-  m.def("nested_plan", &nested_plan);
   m.def("probe", &probe);
-  py::class_<Governor>(m, "Governor")
+  py::class_<Governor>(m, "Governor", py::module_local())
       .def(py::init<py::object, int, py::object, bool, py::object>())
-      .def("top", [](py::object self, const py::tuple& roots, const py::list& grads, const std::vector<double>& factors,
-                     const std::vector<double>& carries, py::object reading, const py::tuple& flags, bool stats) {
-        return govern_top(self, roots, grads, factors, carries, reading, flags, stats);
+      .def("top", [](py::object self, const py::tuple& roots, const py::list& grads, py::object reading,
+                     const py::tuple& flags, py::object frame, bool stats) {
+        return govern_top(self, roots, grads, reading, flags, frame, stats);
       });
-  py::class_<TaskReading>(m, "TaskReading");
+  py::class_<Binding>(m, "Binding", py::module_local())
+      .def_readonly("reading", &Binding::reading)
+      .def_readonly("potential", &Binding::potential)
+      .def_readonly("once", &Binding::once)
+      .def_readonly("on_failure", &Binding::on_failure)
+      .def_readonly("reference", &Binding::reference)
+      .def_property_readonly("state", [](const Binding& b) { return b.reading.attr("state"); });
+  py::class_<RunningPlan>(m, "RunningPlan", py::module_local())
+      .def("__enter__", [](RunningPlan& self) {})
+      .def("__exit__", [](RunningPlan& self, py::args) {
+        if (self.token != 0) pop_running(self.token);
+        self.token = 0;
+      });
   m.def("configure", &configure);
+  m.def("binding", &make_binding);
+  m.def("running_plan", [](py::object plan, py::object reading) {
+    RunningPlan r;
+    r.token = push_running(std::move(plan), std::move(reading));
+    return r;
+  });
+  m.def("running", &running_entries);
+  m.def("enclosing_phi", &enclosing_phi);
+  m.def("nested_plan", &nested_plan);
+  py::class_<Bound>(m, "Bound", py::module_local())
+      .def("__enter__", [](Bound& self) { return self.roots; })
+      .def("__exit__", [](Bound& self, py::args) { self.undo.reset(); });
+  m.def("bound", &make_bound);
   m.def("govern_nested", &govern_nested);
-  m.def("hook_counts", &hook_counts);
+#ifdef GRAPHSCALE_TEST_SEAMS
+  m.attr("seams") = true;
   m.def("hook_tally", []() {
     return py::make_tuple(scale_made.load(), scale_live.load(), bind_made.load(), bind_live.load(), scale_calls.load());
   });
-  m.def("_inject_hook_failure", [](int64_t call) { inject_failure_in.store(call); });  // tests: the call-th from now throws
+  m.def("_inject_hook_failure", [](int64_t call) { inject_failure_in.store(call); });  // the call-th from now throws
+  m.def("_set_may_bind", [](bool on) { may_bind.store(on); });
+#else
+  m.attr("seams") = false;
+#endif
 }

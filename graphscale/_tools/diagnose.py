@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._backward import running as _running
+from .._backward import frames as _frames
 from .._backward.call import ORIGINAL_BACKWARD, BackwardCall
 from .._core import registry as _registry
 from .._core.errors import GraphscaleError
@@ -134,7 +134,7 @@ class Diagnosis:
         state = self._state
         if state is None or call.roots is None or torch._C._current_autograd_node() is not None:
             return call.run(None)  # nested backwards are part of the outer one
-        caller = _running.engine_backward_caller()
+        caller = _frames.engine_backward_caller()
         roots, grads = ((caller[1],), [None]) if caller is not None else (call.roots, list(call.grads or ()))
         leaves = [p for p in reached_leaves(call.roots, call.inputs_arg) if id(p) in state.owner]
         if not leaves or any(g is None and t.numel() != 1 for t, g in zip(roots, grads)):
@@ -147,8 +147,8 @@ class Diagnosis:
 
     def _compare(self, state: State, leaves: Sequence[torch.Tensor], ref: Sequence[torch.Tensor | None],
                  got: Sequence[torch.Tensor | None]) -> None:
-        scaling = _running.gas_scaling_enabled()
-        caller = _running.engine_backward_caller()
+        scaling = _frames.gas_scaling_enabled()
+        caller = _frames.engine_backward_caller()
         for p, g, d in zip(leaves, ref, got):
             if g is None or not bool(g.any()):
                 continue

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._backward import running as _running
+from .._backward import frames as _frames
 from .._backward.call import normalize
 from .._backward.decide import FAST_PATH, PLANNED, decide, top_level_request
 from .._backward.pyplan import build
@@ -180,7 +180,7 @@ def explain(
     """
     state = _state_for(groups, unowned)
     root_list = _checked_roots(roots, grad_tensors)
-    scaling = scale_wrt_gas and _running.gas_scaling_enabled()
+    scaling = scale_wrt_gas and _frames.gas_scaling_enabled()
     reading = state.read(scaling)
     factors = dict(reading.factors)
     kind, fast, _, _ = decide(root_list, reading, ())

@@ -12,7 +12,7 @@ import torch
 
 from .._backward import running as _running
 from .._core.group import Group
-from .._core.snapshot import Reading, State
+from .._core.snapshot import State
 from .._core.walk import root_node
 
 __all__ = ["UNOWNED", "plain_reference", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
@@ -51,7 +51,7 @@ def plain_reference(state: State, roots: Sequence[Any], seeds: Sequence[Any],
     graph task bound as a reference pass (NOTE [ Audit reference ] in
     _tools/audit.py): output hooks of engines ``state`` names neither divide nor run
     their prologue."""
-    with _running.bound(roots, _running.Binding(Reading(state, {}), reference=True)) as bound_roots:
+    with _running.bound(roots, _running.reference_binding(state)) as bound_roots:
         return torch.autograd.grad(bound_roots, leaves, grad_outputs=list(seeds), retain_graph=True,
                                    allow_unused=True)
 

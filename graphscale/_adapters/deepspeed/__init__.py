@@ -20,7 +20,7 @@ the adapter with graphscale's registry (``_core/registry.py``) at import.
 #     engine's scale before backward; the adapter says so
 #     (engine_backward(carries=...)), and the plan divides it out;
 #   * engine.scale(loss).backward(): the adapter's scale() tags the scaled
-#     loss with the scale it applied (_running.CARRIES_ATTR), stripped alike;
+#     loss with the scale it applied (_backward/frames.py CARRIES_ATTR), stripped alike;
 #   * loss.backward() directly: nothing to strip; graphscale applies every
 #     engine's scale, and tells DeepSpeed that this direct backward was
 #     scaled (its check at the epilogue would otherwise refuse it) when the
@@ -39,7 +39,7 @@ from ..._core.releases import newer_than_tested
 from .checks import TESTED, check_installed
 from .engine import after_epilogue, attach, observe
 from .hooks import is_output_hooked
-from .reads import is_engine, scale_reader
+from .reads import is_engine, scale_reader, scale_source
 
 __all__ = ["EngineGroup", "loss_scale", "ADAPTER"]
 
@@ -62,7 +62,7 @@ class EngineGroup(Group):
     group's gas callable, which holds it anyway).
     """
 
-    __slots__ = ("engine", "_scale")
+    __slots__ = ("engine",)
 
     def __init__(self, engine: Any, gas: Any = UNSET, *, factor: Any = UNSET, name: str | None = None) -> None:
         if gas is not UNSET:
@@ -84,12 +84,7 @@ class EngineGroup(Group):
             super().__init__(engine.module, factor=factor, name=name)
             self._factor_key = ("engine", id(engine), self._factor_key)
         self.engine: Any = engine
-        self._scale = scale_reader(engine)
-
-    def pin(self, scaling: bool = True) -> float:
-        """``factor()`` (1 when ``not scaling``) times the engine's loss scale
-        (NOTE [ fp16 engines ]), read now; changes nothing."""
-        return (self.factor() if scaling else 1.0) * self._scale()
+        self._scale = scale_source(engine)  # pin() multiplies the loss scale in (NOTE [ fp16 engines ])
 
 # ---------------------------------------------------------------- the registered adapter
 class _DeepSpeedAdapter(_registry.Adapter):

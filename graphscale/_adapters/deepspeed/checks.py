@@ -185,7 +185,7 @@ def _check_engine_class(cls: Any) -> None:
 def _check_engine_instance(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]) -> None:
     cls = type(engine).__name__
     # _is_gradient_accumulation_boundary: the override graphscale sets while it ends a failed backward
-    # (NOTE [ A backward that raised ] in _backward/failing.py)
+    # (NOTE [ A backward that raised ] in _backward/frames.py)
     for attr in ("_running_engine_backward", "_manual_backward_expected", "_is_gradient_accumulation_boundary",
                  "optimizer", "module"):
         if attr not in engine.__dict__ and not hasattr(engine, attr):

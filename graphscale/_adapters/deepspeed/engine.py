@@ -101,7 +101,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..._backward.running import CARRIES_ATTR, compiled_autograd_active, eager, engine_backward
+from ..._backward.dynamo import eager
+from ..._backward.frames import CARRIES_ATTR, compiled_autograd_active, engine_backward
 from ..._core.errors import GraphscaleError
 from ..._core.observation import laps
 from .checks import check_engine
@@ -199,7 +200,7 @@ class _EngineAdapter:
     def prologue_starts(self, on_failure: list[Callable[[], None]]) -> None:
         """A governed backward runs this engine's prologue now (NOTE [ One
         lifecycle per backward ]); ``on_failure``: that backward's list of
-        NOTE [ A backward that raised ] (in _backward/failing.py), which gets
+        NOTE [ A backward that raised ] (in _backward/frames.py), which gets
         :meth:`backward_failed`.  First take back the ZeRO backward depth of a
         governed prologue whose backward ended without its epilogue (where
         :meth:`backward_failed` could not run it)."""
@@ -219,14 +220,14 @@ class _EngineAdapter:
             engine._manual_backward_expected = True
 
     def backward_failed(self) -> None:
-        """NOTE [ A backward that raised ] in _backward/failing.py: the governed backward
+        """NOTE [ A backward that raised ] in _backward/frames.py: the governed backward
         that ran this engine's prologue raised before its epilogue; end it now
         (NOTE [ Ending a failed ZeRO backward ] in _adapters/deepspeed/failed.py)."""
         if self.open:  # (else the epilogue ran: the error came after it)
             self.open, self.ended = False, True
             try:
                 end_failed_backward(self.engine, self.epilogue)
-            except Exception as err:  # becomes a note on the user's error (_backward/failing.py)
+            except Exception as err:  # becomes a note on the user's error (_backward/frames.py)
                 self.broken = f"{type(err).__name__}: {err}"
                 raise
 

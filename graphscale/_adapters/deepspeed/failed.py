@@ -1,5 +1,5 @@
 """What the DeepSpeed adapter does for an engine whose governed backward
-raised (NOTE [ A backward that raised ] in _backward/failing.py): end the engine's
+raised (NOTE [ A backward that raised ] in _backward/frames.py): end the engine's
 part of it, or say why it cannot, and refuse the engine's next backward
 clearly.  Part of the DeepSpeed adapter; reads ``sys.modules``, never
 imports deepspeed.

@@ -4,9 +4,10 @@ optimizer's type, the loss scale an engine's backward applies.  Each reads
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any, Callable
 
-__all__ = ["engine_type", "is_engine", "is_zero_optimizer", "scale_reader"]
+__all__ = ["engine_type", "is_engine", "is_zero_optimizer", "scale_reader", "scale_source"]
 
 
 _engine_type: type | None = None  # found once: output hooks ask on every backward
@@ -29,26 +30,37 @@ def is_engine(obj: Any) -> bool:
     """True if ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
     return isinstance(obj, engine_type())
 
-def _one() -> float:
-    return 1.0
-
-
-def scale_reader(engine: Any) -> Callable[[], float]:
-    """A function reading, when called, the factor DeepSpeed's engine.backward
+def scale_source(engine: Any) -> Callable[[], Any] | None:
+    """What reads, when called, the factor DeepSpeed's engine.backward
     multiplies the loss by (its optimizer's ``scale_if_loss``, or the ZeRO-0
-    autocast grad scaler): the fp16 loss scale, 1 for bf16 and fp32.  Which
-    attribute holds it is decided once, here; its value is read per call."""
+    autocast grad scaler): the fp16 loss scale; None for bf16 and fp32 (1).
+    Which attribute holds it is decided once, here; its value is read per
+    call, by a callable that runs no Python of graphscale (a bound getter).
+    An engine's group multiplies it into its pin (``Group.pin``)."""
     opt: Any = getattr(engine, "optimizer", None)
     if is_zero_optimizer(opt):
         if getattr(opt, "custom_loss_scaler", False):
-            return lambda: float(opt.external_loss_scale)
+            return partial(getattr, opt, "external_loss_scale")
         scaler = getattr(opt, "torch_autocast_gradscaler", None)
         if scaler is not None:
-            return lambda: float(scaler.get_scale())
+            return scaler.get_scale  # type: ignore[no-any-return]
         loss_scaler = getattr(opt, "loss_scaler", None)
-        return (lambda: float(loss_scaler.cur_scale)) if loss_scaler is not None else _one
+        return partial(getattr, loss_scaler, "cur_scale") if loss_scaler is not None else None
     z0_scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-    return (lambda: float(z0_scaler.get_scale())) if z0_scaler is not None else _one
+    return z0_scaler.get_scale if z0_scaler is not None else None  # type: ignore[no-any-return]
+
+
+def scale_reader(engine: Any) -> Callable[[], float]:
+    """:func:`scale_source` as a function that returns a float (1.0 where
+    there is none)."""
+    source = scale_source(engine)
+    if source is None:
+        return _one
+    return lambda: float(source())
+
+
+def _one() -> float:
+    return 1.0
 
 
 def is_zero_optimizer(opt: Any) -> bool:

@@ -1,0 +1,156 @@
+"""What a backward on this thread runs inside: the frames of an adapter's
+``engine.backward`` (:func:`engine_backward`: ``scale_wrt_gas``, what the
+seeds carry already, the caller), and the :class:`Frame` of each top-level
+governed backward (:class:`top_level`), with the list of what completes its
+engines' part if it raises.  Imports nothing of graphscale.
+
+# NOTE [ A backward that raised ]
+# torch runs no queued callback of a graph task that raised, and leaves in
+# .grad what the backward had accumulated before the error (the gradients of
+# the leaves it reached).  An adapter whose once-per-backward work began in
+# that backward (DeepSpeed's prologue) may hold state that only its end
+# completes: ZeRO's reduction bucket holds the gradients reached so far and
+# its backward depth is raised; the engine's next backward then meets the
+# stale bucket (ZeRO 2: "has already been reduced"; ZeRO 3: a duplicate
+# ds_id assertion) or reduces nothing (KeyError in step()).  So each
+# top-level governed backward carries a list (``Frame.on_failure``), every
+# binding in it shares that list (``Binding.on_failure`` in running.py, as it
+# shares ``once``), an adapter appends what completes its engine's part when
+# that part begins, and if the backward raises, everything appended runs, in
+# order, before the error goes on to the caller: the engine ends the
+# backward with the gradients torch left, as plain PyTorch keeps them.  What
+# runs there should not raise; if it does, its error is added to the
+# original's notes and the rest still run.  A binding made outside any
+# top-level governed backward (a reference pass) gets a list nobody runs.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+__all__ = ["CARRIES_ATTR", "Frame", "top_level", "innermost", "engine_backward", "engine_backward_frame",
+           "engine_backward_caller", "gas_scaling_enabled", "compiled_autograd_active"]
+
+# A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
+# has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
+# in _adapters/deepspeed/__init__.py).
+CARRIES_ATTR = "_graphscale_carries"
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.engine_calls: list[tuple[bool, float, Any]] = []  # engine.backward frames, innermost last
+        self.failing: list[list[Callable[[], None]]] = []  # one per top-level governed backward, innermost last
+
+
+_local = _Local()
+
+
+class _Pushed:
+    """``value`` on ``stack`` for the duration of a ``with`` block (a class:
+    these run on every backward, and a generator context manager costs ~4x)."""
+
+    __slots__ = ("stack", "value")
+
+    def __init__(self, stack: list[Any], value: Any) -> None:
+        self.stack, self.value = stack, value
+
+    def __enter__(self) -> None:
+        self.stack.append(self.value)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.pop()
+
+
+def engine_backward(scaling: bool, carries: float = 1.0, caller: Any = None) -> AbstractContextManager[None]:
+    """Within this block (an adapter's ``engine.backward``), top-level governed
+    backwards on this thread apply the factors only if ``scaling``
+    (``scale_wrt_gas``), and their seeds already carry ``carries`` (the
+    calling engine's fp16 loss scale, applied by DeepSpeed before it calls
+    backward); ``caller``: (the engine whose backward this is, the loss it was
+    given), for tools."""
+    return _Pushed(_local.engine_calls, (scaling, carries, caller))
+
+
+def engine_backward_frame() -> tuple[bool, float]:
+    """(scaling, carries) of the innermost :func:`engine_backward` on this thread, or (True, 1.0)."""
+    stack = _local.engine_calls
+    return stack[-1][:2] if stack else (True, 1.0)
+
+
+def engine_backward_caller() -> Any:
+    """(engine, loss) of the innermost :func:`engine_backward` on this thread, or None."""
+    stack = _local.engine_calls
+    return stack[-1][2] if stack else None
+
+
+def gas_scaling_enabled() -> bool:
+    """``scale_wrt_gas`` of the innermost :func:`engine_backward` on this thread (True outside one)."""
+    stack = _local.engine_calls
+    return stack[-1][0] if stack else True
+
+
+def compiled_autograd_active() -> bool:
+    """Whether torch's compiled autograd captures a backward started now (its
+    own ``_enable``, ``torch._dynamo.config.compiled_autograd`` under
+    ``torch.compile``, or DeepSpeed's ``compile(compiled_autograd_enabled=True)``
+    inside ``engine.backward``): NOTE [ Which route governs a backward ] in
+    _backward/route.py.  One dict read while dynamo was never imported."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+
+
+class Frame:
+    """One top-level governed backward as its caller frames it: ``scaling``
+    (False under ``engine.backward(..., scale_wrt_gas=False)``), what its
+    seeds carry already by default (``carries``: an fp16 ``engine.backward``'s
+    loss scale), whether compiled autograd captures it (``compiled``), the
+    list NOTE [ A backward that raised ] runs (``on_failure``), and its lap
+    clock (``laps``, or None)."""
+
+    __slots__ = ("scaling", "carries", "compiled", "on_failure", "laps")
+
+    def __init__(self, scaling: bool, carries: float, laps: Any) -> None:
+        self.scaling, self.carries, self.laps = scaling, carries, laps
+        self.compiled = compiled_autograd_active()
+        self.on_failure: list[Callable[[], None]] = []
+
+
+class top_level:
+    """``with top_level(laps) as frame:`` around one top-level governed
+    backward on this thread: its :class:`Frame`, read from the innermost
+    :func:`engine_backward`; on an exception, runs what was appended to
+    ``frame.on_failure`` (NOTE [ A backward that raised ]), then lets it go on."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, laps: Any = None) -> None:
+        stack = _local.engine_calls
+        scaling, carries = stack[-1][:2] if stack else (True, 1.0)
+        self.frame = Frame(scaling, carries, laps)
+
+    def __enter__(self) -> Frame:
+        _local.failing.append(self.frame.on_failure)
+        return self.frame
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        _local.failing.pop()
+        todo = self.frame.on_failure
+        if exc is None or not todo:
+            return
+        self.frame.on_failure = []
+        for fn in todo:
+            try:
+                fn()
+            except Exception as err:  # the original error is the one to see; this one goes with it
+                if isinstance(exc, BaseException):
+                    exc.add_note(f"graphscale: after this error, completing an engine's backward raised too: "
+                                 f"{type(err).__name__}: {err}")
+
+
+def innermost() -> list[Callable[[], None]]:
+    """The ``on_failure`` list of the innermost top-level governed backward
+    running on this thread, or a new one nobody runs."""
+    return _local.failing[-1] if _local.failing else []

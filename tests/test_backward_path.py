@@ -1,0 +1,149 @@
+"""One backward, one path (NOTE [ Follow one backward ] in
+graphscale/_backward/entry.py): the graphscale modules a governed backward
+enters, in order, from the patched ``torch.autograd.backward`` to torch's own.
+
+A module is *entered* when one of its functions is called from another
+module's (a call within a module is not an entry), traced with
+``sys.setprofile`` from the first call of the patched entry until torch's
+original backward starts.  Several calls in a row from one caller into one
+module (a constructor, then ``__enter__``; one pin per group) are one visit;
+a module *re-entered* is one the path enters again after it went on into
+another module.  The native route (every backward by default) enters at most
+six modules and re-enters none; the Python route, the reference, enters the
+planner's modules too and re-enters none more than once.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import graphscale
+from graphscale import _native
+from graphscale._backward import call as _call
+from graphscale._backward import entry as _entry
+from graphscale._backward import route as _route
+
+ORIGINAL = _call.ORIGINAL_BACKWARD.__code__
+ENTRY = _entry.governed_backward.__code__
+NATIVE_TOP_LEVEL = ["_backward/entry.py", "_backward/call.py", "_backward/frames.py", "_core/snapshot.py",
+                    "_core/group.py", "_backward/route.py"]
+NATIVE_NESTED = ["_backward/entry.py", "_backward/route.py", "_backward/frames.py"]
+
+
+def _module_of(filename: str) -> str | None:
+    return filename.split("/graphscale/", 1)[1] if "/graphscale/" in filename else None
+
+
+def path_of(run: Callable[[], None]) -> list[str]:
+    """The modules one backward started by ``run()`` visits, in order."""
+    visits: list[str] = []
+    state = {"on": False, "done": False}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if state["done"] or event != "call":
+            return
+        code = frame.f_code
+        if code is ENTRY:
+            state["on"] = True
+        if not state["on"]:
+            return
+        if code is ORIGINAL:
+            state["done"] = True
+            return
+        module = _module_of(code.co_filename)
+        caller = frame.f_back
+        if module is None or (caller is not None and _module_of(caller.f_code.co_filename) == module):
+            return
+        if not visits or visits[-1] != module:
+            visits.append(module)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    assert state["done"], "torch's own backward never ran: nothing was traced"
+    return visits
+
+
+def reentered(visits: list[str]) -> dict[str, int]:
+    """Per module, how often the path entered it again after leaving it."""
+    return {m: visits.count(m) - 1 for m in dict.fromkeys(visits) if visits.count(m) > 1}
+
+
+class _Recompute(torch.autograd.Function):
+    """A reentrant checkpoint in miniature whose backward traces its nested backward."""
+
+    traced: list[str] = []
+
+    @staticmethod
+    def forward(ctx: Any, block: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.block = block
+        ctx.save_for_backward(h)
+        with torch.no_grad():
+            return block(h)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
+        (h,) = ctx.saved_tensors
+        h = h.detach().requires_grad_()
+        with torch.enable_grad():
+            root = (ctx.block(h) * grad).sum()
+        _Recompute.traced[:] = path_of(lambda: torch.autograd.backward(root))
+        return None, h.grad
+
+
+def _groups() -> tuple[tuple[graphscale.Group, ...], torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1), torch.nn.Linear(3, 3)
+    return (graphscale.Group(a, gas=2), graphscale.Group(b, gas=4), graphscale.Group(c, gas=8)), a, b, c
+
+
+@pytest.fixture
+def native_route() -> None:
+    if _native.wait() is None or not _route.enabled:
+        pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
+
+
+@pytest.mark.parametrize("shape", ["mixed", "fast path", "nested engine boundary"])
+def test_a_top_level_backward_on_the_native_route_enters_six_modules_each_once(native_route: None,
+                                                                               shape: str) -> None:
+    groups, a, b, c = _groups()
+    x = torch.randn(4, 3)
+
+    def loss() -> torch.Tensor:
+        if shape == "fast path":
+            return a(x).sum()
+        if shape == "nested engine boundary":
+            return b(c(a(x))).sum()
+        return b(a(x)).sum() + a(x).sum()
+
+    with graphscale.install(*groups):
+        loss().backward()  # the first backward of a snapshot may make its tables
+        visits = path_of(lambda: loss().backward())
+    assert visits == NATIVE_TOP_LEVEL, visits
+
+
+def test_a_nested_backward_on_the_native_route_enters_three_modules(native_route: None) -> None:
+    groups, a, b, c = _groups()
+    x = torch.randn(4, 3, requires_grad=True)
+    with graphscale.install(*groups):
+        b(_Recompute.apply(c, a(x))).sum().backward()
+    assert _Recompute.traced == NATIVE_NESTED, _Recompute.traced
+
+
+def test_the_python_route_re_enters_no_module_more_than_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_route, "enabled", False)
+    groups, a, b, c = _groups()
+    x = torch.randn(4, 3, requires_grad=True)
+    with graphscale.install(*groups):
+        top = path_of(lambda: (b(a(x)).sum() + a(x).sum()).backward())
+        b(_Recompute.apply(c, a(x))).sum().backward()
+    nested = _Recompute.traced
+    for visits in (top, nested):
+        assert all(n <= 1 for n in reentered(visits).values()), visits
+    assert top[:len(NATIVE_TOP_LEVEL)] == NATIVE_TOP_LEVEL, top  # the same reading, then route.py hands back
+    assert "_backward/python_route.py" in top and "_backward/python_route.py" in nested
