@@ -58,10 +58,10 @@ def routes(record: RouteRecorder) -> AbstractContextManager[None]:
     native route governed it, else ``("python", reason)`` with the reason the
     native route did not take it, one of ``"GRAPHSCALE_ROUTE=python"``,
     ``"native walker not ready"``, ``"self-test failed"``, ``"compiled
-    autograd"``, ``"inputs="``, ``"call"``, ``"seed"``, ``"factors"``,
-    ``"python plan running"``, ``"python binding"`` (docs/native-walker.md,
-    "Which route governed a backward", says what each means).  Both routes give the same gradients; this
-    says which one ran.  Blocks nest.
+    autograd"``, ``"inputs="``, ``"call"``, ``"seed"``, ``"factors"``
+    (docs/native-walker.md, "Which route governed a backward", says what
+    each means).  Both routes give the same gradients; this says which one
+    ran.  Blocks nest.
 
         >>> import torch, graphscale
         >>> from graphscale import observe
