@@ -2,6 +2,7 @@
 and peak memory, one row per workload and size."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import sys
@@ -80,15 +81,15 @@ def check_exactness(row: Row, wl: Workload, gen: torch.Generator) -> None:
     """One run of each implementation from zero gradients, against the
     oracle; then the graph's nodes and the Python walker's speed on it.
     Leaves the row's checkpointing on."""
-    engines = wl.engines
     batch = wl.batch(gen)
     want = oracle(wl, batch)
     wl.checkpoint(True)
     for cls in ALL:
-        zero_grads(engines)
         with cls(wl) as impl:
-            impl.backward(wl.loss(batch, False))
-        row.err[cls.name] = max_rel_err(grads_of(engines), want)
+            zero_grads(impl.wl.engines)
+            with impl.round():
+                impl.backward(impl.wl.loss(batch, False))
+            row.err[cls.name] = max_rel_err(grads_of(impl.wl.engines), want)
     loss = wl.loss(batch, False)
     row.nodes = count_nodes(loss)
     row.py_walk_ns = python_walk_ns(wl, loss)
@@ -97,35 +98,41 @@ def check_exactness(row: Row, wl: Workload, gen: torch.Generator) -> None:
 def timed_rounds(row: Row, wl: Workload, gen: torch.Generator, reps: int, device: str, bar: Any) -> None:
     """``WARMUP + reps`` rounds of one backward per implementation on fresh
     forwards, the one to go first rotating; per round, each time over
-    DeepSpeed alone's."""
-    for rep in range(WARMUP + reps):
-        order = ALL[rep % 3:] + ALL[: rep % 3]  # rotate who goes first
-        got: dict[str, float] = {}
-        for cls in order:
-            batch = wl.batch(gen)
-            with cls(wl) as impl:
-                loss = wl.loss(batch, False)
-                dt, records = timed_backward(impl, loss, device)
-                del loss
-            if rep >= WARMUP:
-                row.times[cls.name].append(dt)
-                got[cls.name] = dt
-                if impl.observed:
-                    row.walked.append(sum(r[0] for r in records))
-                    row.walk_s.append(sum(r[1] for r in records))
-                    row.mults.append(sum(r[2] for r in records))
-        if got:
-            for cls in ALL:
-                row.ratios[cls.name].append(got[cls.name] / got["deepspeed"])
-        bar.update(1)
+    DeepSpeed alone's.  Each implementation is switched on once for the row
+    (graphscale: installed once, on the row's twin engines), as a training
+    loop runs it."""
+    with contextlib.ExitStack() as stack:
+        impls = [stack.enter_context(cls(wl)) for cls in ALL]
+        for rep in range(WARMUP + reps):
+            _one_round(row, impls[rep % 3:] + impls[: rep % 3], gen, device, rep >= WARMUP)  # rotate who goes first
+            bar.update(1)
+
+
+def _one_round(row: Row, order: list[Impl], gen: torch.Generator, device: str, kept: bool) -> None:
+    got: dict[str, float] = {}
+    for impl in order:
+        batch = impl.wl.batch(gen)
+        with impl.round():
+            loss = impl.wl.loss(batch, False)
+            dt, records = timed_backward(impl, loss, device)
+            del loss
+        if kept:
+            row.times[impl.name].append(dt)
+            got[impl.name] = dt
+            if impl.observed:
+                row.walked.append(sum(r[0] for r in records))
+                row.walk_s.append(sum(r[1] for r in records))
+                row.mults.append(sum(r[2] for r in records))
+    if got:
+        for name in got:
+            row.ratios[name].append(got[name] / got["deepspeed"])
 
 
 def peak_memory(row: Row, wl: Workload, gen: torch.Generator, device: str) -> None:
     """Peak memory: one more backward each, in steady state (gradients exist)."""
     for cls in ALL:
-        batch = wl.batch(gen)
-        with cls(wl) as impl:
-            loss = wl.loss(batch, False)
+        with cls(wl) as impl, impl.round():
+            loss = impl.wl.loss(impl.wl.batch(gen), False)
             row.peak[cls.name].append(peak_tensor_bytes(functools.partial(impl.backward, loss), device))
             del loss
 
@@ -140,6 +147,8 @@ def run_row(wl_name: str, wl: Workload, size: Size, layers: int, reps: int, devi
     peak_memory(row, wl, gen, device)
     wl.checkpoint(False)
     zero_grads(wl.engines)
+    if wl.twin is not None:
+        zero_grads(wl.twin.engines)
     row.wall_s = time.perf_counter() - started
     return row
 
