@@ -166,10 +166,11 @@ def governor(native: Any, state: State) -> Any:
     return gov
 
 
-def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, describe: Any = None) -> bool:
+def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, reading: Reading | None) -> bool:
     """``fn(*args, want_stats)``, one native call, and what it measured handed
-    to the active recorders and the DEBUG log; False when it declined (touched
-    nothing; the decline is counted)."""
+    to the active recorders and the DEBUG log (``reading``: a top-level
+    backward's factors; None: a nested backward); False when it declined
+    (touched nothing; the decline is counted)."""
     debug = _log.isEnabledFor(logging.DEBUG) and not _observation.quiet()
     want = laps is not None or debug or bool(_observation.ACTIVE.walks)
     if laps:
@@ -179,15 +180,15 @@ def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, describe: An
         declined(out)
         return False
     if want:
-        _observed(out, laps, describe if debug else None)
+        _observed(out, laps, debug, reading)
     if _observation.ACTIVE.routes:
         _observation.record_route("native", None)
     return True
 
 
-def _observed(stats: Any, laps: Laps | None, describe: Any) -> None:
-    """Hand what the native call measured to the active recorders and, where
-    ``describe`` says what governed it, the DEBUG log."""
+def _observed(stats: Any, laps: Laps | None, debug: bool, reading: Reading | None) -> None:
+    """Hand what the native call measured to the active recorders and, with
+    ``debug``, the DEBUG log."""
     kind, nodes, mults, *ns = stats
     if kind and _observation.ACTIVE.walks:
         _observation.record_walk(nodes if kind == 2 else 0, ns[0] * 1e-9, mults)
@@ -195,9 +196,11 @@ def _observed(stats: Any, laps: Laps | None, describe: Any) -> None:
         for name, t in zip(_PHASES, ns):
             laps.record(laps.prefix + name, t * 1e-9)
         laps.skip()
-    if describe is not None and kind:
+    if debug and kind:
+        what = ", nested" if reading is None else ", factors " + str(
+            sorted({f"{g.name}={f:g}" for g, f in reading.factors.items()}))
         _log.debug("graphscale: %swalked %d nodes in %.1f us, %d multiplication(s)%s, native route, native walker",
-                   "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, describe())
+                   "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, what)
 
 
 def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = None) -> bool:
@@ -206,25 +209,23 @@ def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = 
     take it (NOTE [ Which route governs a backward ]: the reason counted,
     nothing touched)."""
     state = reading.state
+    made = state.tables.native_governor
     if native is None:
-        made = state.tables.native_governor
         native = made[0] if made is not None else _native.load()
-    why = decline_reason(call, native, frame)
-    gov = governor(native, state) if why is None else None
-    if gov is None:
-        declined(why or "native walker not ready")
-        return False
-
-    def describe() -> str:
-        return ", factors " + str(sorted({f"{g.name}={f:g}" for g, f in reading.factors.items()}))
-
+    if (made is not None and made[0] is native is _passed is _running.native and enabled and not call.inputs
+            and not frame.compiled and not _here.python):
+        gov = made[1]  # the usual backward: every check of decline_reason and governor in one expression
+    else:
+        why = decline_reason(call, native, frame)
+        gov = governor(native, state) if why is None else None
+        if gov is None:
+            declined(why or "native walker not ready")
+            return False
     assert call.grads is not None
     return _native_call(gov.top, (call.roots, list(call.grads), reading,
-                                  (call.retain_graph, call.create_graph, call.inputs_arg), frame), frame.laps, describe)
+                                  (call.retain_graph, call.create_graph, call.inputs_arg), frame), frame.laps, reading)
 
 
-def _nested_described() -> str:
-    return ", nested"
 
 
 def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool, current_node: Any) -> bool:
@@ -265,7 +266,7 @@ def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_gr
         return False
     laps = _observation.laps(nested=True) if _observation.ACTIVE.phases else None
     return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None)), laps,
-                        _nested_described)
+                        None)
 
 
 # ---------------------------------------------------------------- the self-test's verdict

@@ -1181,6 +1181,7 @@ struct Enclosing {
   const Binding* binding = nullptr;   // kBound (alive while `keep` is)
   py::object keep;                    // the entry's plan object, or the binding
   std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first
+  std::vector<py::object> alive;  // their plan objects: alive while a hint may run Python (and another thread)
 };
 
 // The one nested-plan lookup (NOTE [ One running state, both routes ]).
@@ -1189,13 +1190,18 @@ struct Enclosing {
 static Enclosing find_enclosing(Node* node) {
   Enclosing out;
   out.outer_plans.reserve(native_running.size());
+  out.alive.reserve(native_running.size());
   for (size_t k = native_running.size(); k-- > 0;)
-    if (native_running[k].plan != nullptr) out.outer_plans.push_back(native_running[k].plan);
+    if (native_running[k].plan != nullptr) {
+      out.outer_plans.push_back(native_running[k].plan);
+      out.alive.push_back(py::reinterpret_borrow<py::object>(native_running[k].plan_obj));
+    }
   for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
+    if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
     const RunningEntry& e = native_running[k];
-    if (e.plan == nullptr) {
-      py::object phi = py::reinterpret_borrow<py::object>(e.plan_obj).attr("phi_of")(py_of(node));
-      if (phi.is_none()) continue;
+    if (e.plan == nullptr) {  // Python runs here and may let another thread change the registry
+      py::object plan = py::reinterpret_borrow<py::object>(e.plan_obj);
+      if (plan.attr("phi_of")(py_of(node)).is_none()) continue;
       out.kind = Enclosing::kPython;
       return out;
     }
@@ -1227,9 +1233,11 @@ static Enclosing find_enclosing(Node* node) {
 static py::object enclosing_phi(py::handle obj) {
   Node* node = node_of(obj.ptr());
   for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
+    if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
     const RunningEntry& e = native_running[k];
-    if (e.plan == nullptr) {
-      py::object phi = py::reinterpret_borrow<py::object>(e.plan_obj).attr("phi_of")(obj);
+    if (e.plan == nullptr) {  // Python runs here and may let another thread change the registry
+      py::object plan = py::reinterpret_borrow<py::object>(e.plan_obj);
+      py::object phi = plan.attr("phi_of")(obj);
       if (!phi.is_none()) return phi;
       continue;
     }
