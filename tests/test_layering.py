@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_backward",),
     ("_selftest",),
     ("_install", "_explained", "_leaf_rows", "observe"),
-    ("_audit_windows",),
+    ("_audit_windows", "_replay"),
     ("_explain", "_audit", "_diagnose", "_env"),
     ("_demo",),
     # the adapters: above everything they plug into
@@ -45,8 +45,8 @@ ADAPTERS = {"_deepspeed", "_deepspeed_engine", "_deepspeed_hooks", "_deepspeed_c
             "_deepspeed_failed"}
 CORE_AND_TOOLS = {"_group", "_snapshot", "_running", "_request", "_hints", "_call", "_pyplan", "_planning",
                   "_backward", "_plan", "_walk", "_install", "_explain", "_explained", "_audit", "_demo",
-                  "_table", "_observe", "_leaf_rows", "_audit_windows", "_diagnose", "_route", "_unreached", "_dynamo",
-                  "_hooks", "_selftest", "_env", "_releases", "_failing"}
+                  "_table", "_observe", "_leaf_rows", "_audit_windows", "_replay", "_diagnose", "_route", "_unreached",
+                  "_dynamo", "_hooks", "_selftest", "_env", "_releases", "_failing"}
 # The functions that take torch.autograd.backward's own six parameters.
 TORCH_SIGNATURE = {("_backward.py", "governed_backward"), ("_call.py", "of"), ("_diagnose.py", "_backward")}
 MAX_MODULE_LINES = 350
