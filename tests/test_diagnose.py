@@ -163,7 +163,7 @@ def test_at_zero_3_a_diagnosis_without_a_replay_is_refused_before_the_backward_s
                    r"backpropagated only once.*handle.replayable\(loss_of\).*No gradient was touched\.$")
         with pytest.raises(graphscale.GraphscaleError, match=refused):
             A.backward(A(x).sum() + B(x).square().sum())
-    assert found.backwards == 0
+    assert found.backwards == 0 and not A._running_engine_backward  # (DeepSpeed 0.19.5 alone would leave it set)
     assert all(not bool(g.any()) for e in (A, B) for p in e.module.parameters()
                if (g := safe_get_full_grad(p)) is not None)
 
