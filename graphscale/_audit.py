@@ -104,7 +104,18 @@ class Audit:
         as it was, accumulates into no ``.grad`` and steps nothing; it costs
         about one more forward and backward (NOTE [ Audit by replay ] in
         _replay.py).  Wrap it on every rank.  Elsewhere the wrapper only
-        calls ``fn``."""
+        calls ``fn``.
+
+        Example (a plain group: its own graph serves, no replay runs)::
+
+            >>> import torch, graphscale
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with graphscale.install(graphscale.Group(model, gas=2)), graphscale.audit() as check:
+            ...     loss_of = check.replayable(lambda x: model(x).sum())
+            ...     loss_of(torch.ones(3, 2)).backward()
+            >>> check.ok, check.backwards
+            (True, 1)
+        """
         return self._replays.wrap(fn)
 
     def _within(self, err: float, scale: float, dtype: torch.dtype) -> bool:

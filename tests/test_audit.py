@@ -236,6 +236,35 @@ def test_audit_without_a_replay_refuses_zero_stage_3_before_touching_anything_sa
 
 @pytest.mark.deepspeed
 @require_deepspeed
+def test_a_zero_3_replay_serves_each_root_of_a_backward_and_leaves_out_inputs_made_inside_it(
+        make_engine: Callable[..., Any]) -> None:
+    from deepspeed.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    engine = make_engine(net, gas=2, stage=3)
+    engine.set_gradient_accumulation_boundary(True)
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    calls = []
+    with graphscale.install(graphscale.Group(engine, name="net")), graphscale.audit() as check:
+        @check.replayable
+        def losses(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:  # a ModelOutput-like dict, a tuple inside
+            calls.append(x)
+            h = x.clone().requires_grad_()  # an input made inside: its replay makes another
+            return {"first": engine(h).sum(), "second": (engine(y).pow(2).sum(),)}
+
+        out = losses(x, y)
+        torch.autograd.backward([out["second"][0], out["first"]])  # two roots of one call, in another order
+    assert check.ok and check.backwards == 1 and len(calls) == 2, str(check)
+    assert list(check._stats) == ["net"]  # the input made inside is left out, not compared as unowned
+    want = torch.autograd.grad(plain(x).sum() + plain(y).pow(2).sum(), list(plain.parameters()))
+    for p, w in zip(engine.module.parameters(), want):
+        torch.testing.assert_close(safe_get_full_grad(p), w / 2)
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
 def test_audited_steps_of_a_zero_1_engine_update_the_weights_as_unaudited_ones(
     make_engine: Callable[..., Any],
 ) -> None:
