@@ -198,7 +198,8 @@ class Audit:
         pairs = ref.compared(leaves)
         leaves, plain = [p for p, _ in pairs], [g for _, g in pairs]
         self._dtypes.update(p.dtype for p in leaves)
-        self._windows.before(state, factors, pairs, ref.unfaithful and "a replay that was not the micro-step's forward")
+        unknown = None if ref.unfaithful is None else "a replay that was not the micro-step's forward"
+        self._windows.before(state, factors, pairs, unknown)
         with spec_reads(reads), Capture(leaves) as got:
             run(call)
         self.backwards += 1

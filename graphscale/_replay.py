@@ -43,7 +43,8 @@ own graph, or from the micro-step's forward called once more.
 #     Measured: the real backward after it is exact at ZeRO 3, both
 #     DeepSpeed generations, one and two ranks.
 #   * Faithful, or said: each replayed root must equal the real one (the loss
-#     value, within the tolerance).  One that does not computed something else
+#     value, to 1e-5 relative, or 4 units of a bf16/fp16 root's epsilon; a
+#     deterministic replay gives the same bits).  One that does not computed something else
 #     (other data, randomness outside torch's generators, a model changed
 #     since the forward), and its reference says nothing: the real backward
 #     still runs (the other ranks are in it), then GraphscaleError is raised
