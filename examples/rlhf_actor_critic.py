@@ -75,57 +75,57 @@ def start_deepspeed() -> Any:
     return deepspeed
 
 
-def ds_config(gas: int) -> dict[str, Any]:
+def ds_config(gas: int, stage: int = ZERO_STAGE) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.0,  # the reference does not clip
-        "zero_optimization": {"stage": ZERO_STAGE},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,  # plain torch SGD
         "steps_per_print": 10**9,
     }
 
 
-def make_engine(deepspeed: Any, model: torch.nn.Module, gas: int, lr: float) -> Any:
+def make_engine(deepspeed: Any, model: torch.nn.Module, gas: int, lr: float, stage: int = ZERO_STAGE) -> Any:
     with contextlib.redirect_stdout(sys.stderr):
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                                          config=ds_config(gas))
+                                          config=ds_config(gas, stage))
     return engine
 
 
 # ---------------------------------------------------------------- models
-def gpt2_config() -> Any:
+def gpt2_config(dropout: float = 0.0) -> Any:
     from transformers import GPT2Config
 
-    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=dropout,
+                      embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False, bos_token_id=0, eos_token_id=0)
 
 
-def make_actor(seed: int = 1) -> torch.nn.Module:
+def make_actor(seed: int = 1, dropout: float = 0.0) -> torch.nn.Module:
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(gpt2_config()).train()
+    return GPT2LMHeadModel(gpt2_config(dropout)).train()
 
 
 class Critic(torch.nn.Module):
     """A value model as RLHF trainers build one: a GPT-2 backbone and a value
     head, one value per position; it reads the actor's hidden states."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         from transformers import GPT2Model
 
         super().__init__()
-        self.backbone = GPT2Model(gpt2_config())
+        self.backbone = GPT2Model(gpt2_config(dropout))
         self.value_head = torch.nn.Linear(32, 1)
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         return self.value_head(self.backbone(inputs_embeds=inputs_embeds).last_hidden_state).squeeze(-1)
 
 
-def make_critic(seed: int = 2) -> torch.nn.Module:
+def make_critic(seed: int = 2, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return Critic().train()
+    return Critic(dropout).train()
 
 
 # ---------------------------------------------------------------- the PPO-style loss

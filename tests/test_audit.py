@@ -134,6 +134,22 @@ def test_an_audit_outside_any_installation_observes_nothing() -> None:
     assert check.backwards == 0
 
 
+def test_where_the_graph_can_be_backpropagated_twice_the_replayable_wrapper_only_calls_the_function() -> None:
+    groups, loss = _nested()
+
+    def step_loss() -> torch.Tensor:
+        """The micro-step's loss."""
+        return loss()
+
+    with graphscale.install(*groups), graphscale.audit() as check:
+        wrapped = check.replayable(step_loss)
+        wrapped().backward()  # referenced over its own graph: no replay recorded, none called
+    assert check.ok and check.backwards == 1 and check._replays.calls == []
+    assert wrapped.__name__ == "step_loss" and wrapped.__doc__ == "The micro-step's loss."
+    with pytest.raises(TypeError, match="graphscale.audit: replayable\\(\\) takes the function"):
+        check.replayable(loss())  # type: ignore[arg-type]
+
+
 def test_bad_tolerances_are_rejected() -> None:
     with pytest.raises(ValueError, match="graphscale.audit: rtol and atol must be >= 0"):
         graphscale.audit(rtol=-1)
@@ -200,18 +216,54 @@ def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
 
 @pytest.mark.deepspeed
 @require_deepspeed
-def test_audit_refuses_zero_stage_3_before_touching_anything(make_engine: Callable[..., Any]) -> None:
+def test_audit_without_a_replay_refuses_zero_stage_3_before_touching_anything_saying_how_to_pass_one(
+        make_engine: Callable[..., Any]) -> None:
     from deepspeed.utils import safe_get_full_grad
 
     net = Net()
     engine = make_engine(net, gas=2, stage=3)
     engine.set_gradient_accumulation_boundary(True)
-    with graphscale.install(engine), graphscale.audit():
-        refused = r"^graphscale.audit: group .* ZeRO stage 3, where a graph can be backpropagated only once.*stage 2"
+    with graphscale.install(engine), graphscale.audit() as check:
+        refused = (r"^graphscale.audit: group .* ZeRO stage 3, where a graph can be backpropagated only once.*"
+                   r"stage 2.* Give it the micro-step's forward to call once more instead: in `with graphscale.audit"
+                   r"\(...\) as handle:` wrap the function that computes the loss, `loss_of = handle.replayable"
+                   r"\(loss_of\)`, on every rank.*No gradient was touched\.$")
         with pytest.raises(graphscale.GraphscaleError, match=refused):
             engine.backward(engine(torch.randn(2, 3)).sum())
+        replayed = check.replayable(lambda t: engine(t).sum())
+        with pytest.raises(graphscale.GraphscaleError, match=refused):  # a loss the replay did not return
+            engine.backward(replayed(torch.randn(2, 3)) * 2)
     grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
     assert all(g is None or not bool(g.any()) for g in grads)
+
+
+@pytest.mark.deepspeed
+@require_deepspeed
+def test_a_zero_3_replay_serves_each_root_of_a_backward_and_leaves_out_inputs_made_inside_it(
+        make_engine: Callable[..., Any]) -> None:
+    from deepspeed.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    engine = make_engine(net, gas=2, stage=3)
+    engine.set_gradient_accumulation_boundary(True)
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    calls = []
+    with graphscale.install(graphscale.Group(engine, name="net")), graphscale.audit() as check:
+        @check.replayable
+        def losses(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:  # a ModelOutput-like dict, a tuple inside
+            calls.append(x)
+            h = x.clone().requires_grad_()  # an input made inside: its replay makes another
+            return {"first": engine(h).sum(), "second": (engine(y).pow(2).sum(),)}
+
+        out = losses(x, y)
+        torch.autograd.backward([out["second"][0], out["first"]])  # two roots of one call, in another order
+    assert check.ok and check.backwards == 1 and len(calls) == 2, str(check)
+    assert list(check._stats) == ["net"]  # the input made inside is left out, not compared as unowned
+    want = torch.autograd.grad(plain(x).sum() + plain(y).pow(2).sum(), list(plain.parameters()))
+    for p, w in zip(engine.module.parameters(), want):
+        torch.testing.assert_close(safe_get_full_grad(p), w / 2)
 
 
 @pytest.mark.deepspeed

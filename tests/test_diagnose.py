@@ -8,7 +8,10 @@ and independently of the diagnosis: each parameter's reduced gradient
 (copies of the models made before ``deepspeed.initialize``).  The diagnosis
 must name exactly the parameters the truth says are wrong, with the factor
 the truth measured, and its pinned cause; and the wrong engines of each shape
-are pinned per DeepSpeed generation (both run in CI).
+are pinned per DeepSpeed generation (both run in CI).  At ZeRO stage 1 and at
+stage 3, where the reference comes from the micro-step's forward called once
+more (``found.replayable``: NOTE [ Audit by replay ] in
+graphscale/_tools/replay.py); without one, stage 3 is refused before the backward.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ SHAPES: dict[str, tuple[Callable[..., torch.Tensor], str, dict[str, dict[str, st
 }
 
 
-def _engines() -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
+def _engines(stage: int = 1) -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
     import deepspeed
 
     engines, plain = {}, {}
@@ -61,26 +64,29 @@ def _engines() -> tuple[dict[str, Any], dict[str, torch.nn.Module]]:
         net = _net(k)
         plain[name] = copy.deepcopy(net)
         engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
-                                          config=ds_config(GAS[name], 1))
+                                          config=ds_config(GAS[name], stage))
         engine.set_gradient_accumulation_boundary(True)  # the gradients are readable after one backward
         engines[name] = engine
     return engines, plain
 
 
+@pytest.mark.parametrize("stage", [1, 3], ids=["zero1", "zero3_replayed"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_the_diagnosis_names_what_deepspeed_alone_got_wrong_and_why(ds_dist: None, shape: str) -> None:
+def test_the_diagnosis_names_what_deepspeed_alone_got_wrong_and_why(ds_dist: None, shape: str, stage: int) -> None:
     from deepspeed.utils import safe_get_full_grad
 
     loss_of, call, causes = SHAPES[shape]
-    engines, plain = _engines()
+    engines, plain = _engines(stage)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
     A, B = engines["A"], engines["B"]
     oracle = loss_of(plain["A"], plain["A"], plain["B"], plain["B"], x)
     want = dict(zip([f"{n}.{p}" for n in GAS for p, _ in plain[n].named_parameters()],
                     torch.autograd.grad(oracle, [q for n in GAS for q in plain[n].parameters()], allow_unused=True)))
     with graphscale.diagnose(A=A, B=B) as found:
-        loss = loss_of(A, A.module, B, B.module, x)
+        step_loss = found.replayable(loss_of)  # used where the graph cannot be backpropagated twice (ZeRO 3)
+        loss = step_loss(A, A.module, B, B.module, x)
         loss.backward() if call == "loss" else engines[call].backward(loss)
+    assert found.backwards == 1
     def full_grad(p: torch.Tensor) -> torch.Tensor | None:
         try:
             return safe_get_full_grad(p)
@@ -144,3 +150,36 @@ def test_diagnose_refuses_inside_an_installation_and_non_engines(ds_dist: None) 
         graphscale.diagnose(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="give the DeepSpeed engines"):
         graphscale.diagnose()
+
+
+def test_at_zero_3_a_diagnosis_without_a_replay_is_refused_before_the_backward_saying_how(ds_dist: None) -> None:
+    from deepspeed.utils import safe_get_full_grad
+
+    engines, _ = _engines(stage=3)
+    A, B = engines["A"], engines["B"]
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    with graphscale.diagnose(A=A, B=B) as found:
+        refused = (r"^graphscale.diagnose: group '[AB]' is a DeepSpeed engine at ZeRO stage 3, where a graph can be "
+                   r"backpropagated only once.*handle.replayable\(loss_of\).*No gradient was touched\.$")
+        with pytest.raises(graphscale.GraphscaleError, match=refused):
+            A.backward(A(x).sum() + B(x).square().sum())
+    assert found.backwards == 0 and not A._running_engine_backward  # (DeepSpeed 0.19.5 alone would leave it set)
+    assert all(not bool(g.any()) for e in (A, B) for p in e.module.parameters()
+               if (g := safe_get_full_grad(p)) is not None)
+
+
+def test_a_zero_3_replay_that_is_not_the_forward_is_said_after_the_backward(ds_dist: None) -> None:
+    engines, _ = _engines(stage=3)
+    A, B = engines["A"], engines["B"]
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(5))
+    calls = []
+
+    def drifting(x: torch.Tensor) -> torch.Tensor:  # changes between calls: not a replay of the forward
+        calls.append(x)
+        return A(x).sum() * len(calls) + B(x).square().sum()
+
+    with graphscale.diagnose(A=A, B=B) as found:
+        with pytest.raises(graphscale.GraphscaleError, match=r"^graphscale.diagnose: backward 1: the replay of "
+                           r".*drifting is not the micro-step's forward: it returned .*, the backward's root is "):
+            A.backward(found.replayable(drifting)(x))
+    assert len(calls) == 2 and found.backwards == 1 and not found.findings

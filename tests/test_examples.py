@@ -37,6 +37,7 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "token_normalized.py": ("transformers",),
     "accelerate_deepspeed.py": ("deepspeed", "accelerate"),
     "diagnose_actor_critic.py": ("deepspeed", "transformers"),
+    "rlhf_zero3_audit.py": ("deepspeed", "transformers"),
 }
 
 

@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_backward.install",),
     # _tools/: explain, audit, diagnose, demo, env
     ("_tools", "_tools.explained", "_tools.leaf_rows"),
-    ("_tools.audit_windows",),
+    ("_tools.audit_windows", "_tools.replay"),
     ("_tools.explain", "_tools.audit", "_tools.diagnose", "_tools.env"),
     ("_tools.demo",),
     # _adapters/: above everything they plug into

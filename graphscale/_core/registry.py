@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = [
     "Adapter", "register", "registered", "group_type", "attach", "observe", "backward_leaves", "hook_owner",
-    "output_hooked", "audit_refusal", "audit_scale", "audit_window", "environment",
+    "output_hooked", "audit_refusal", "audit_replay", "audit_scale", "audit_window", "environment",
 ]
 
 Leaf = Any  # a torch.Tensor; this module imports nothing (not even torch)
@@ -87,6 +87,13 @@ class Adapter:
     def audit_refusal(self, group: Any) -> str | None:
         """Why ``graphscale.audit`` cannot check ``group``'s gradients (a
         sentence naming the group and the way out), or None."""
+        return None
+
+    def audit_replay(self, group: Any) -> str | None:
+        """Why the audit's plain reference for ``group`` cannot be a second
+        pass over the backward's own graph, so that it must come from the
+        micro-step's forward called once more (NOTE [ Audit by replay ] in
+        _tools/replay.py): a sentence naming the group; or None."""
         return None
 
     def audit_scale(self, group: Any) -> float:
@@ -198,6 +205,15 @@ def audit_refusal(group: Any) -> str | None:
     """The first adapter's reason the audit cannot check ``group``, or None."""
     for a in _adapters:
         why = a.audit_refusal(group)
+        if why is not None:
+            return why
+    return None
+
+
+def audit_replay(group: Any) -> str | None:
+    """The first adapter's reason ``group``'s reference must be replayed, or None."""
+    for a in _adapters:
+        why = a.audit_replay(group)
         if why is not None:
             return why
     return None

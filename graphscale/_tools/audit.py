@@ -21,7 +21,9 @@
 # or a wrong factor all show.  The leaves are found by the audit's own walk,
 # not by the planner's.  What the optimizer then steps with is checked at
 # each accumulation boundary (NOTE [ Audit at the boundary ] in
-# _tools/audit_windows.py).
+# _tools/audit_windows.py).  Where a group's graph cannot be backpropagated twice
+# (ZeRO 3), the reference comes from a replay of the micro-step's forward
+# instead (NOTE [ Audit by replay ] in _tools/replay.py).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -43,35 +45,13 @@ from .._core.observation import observing
 from .._core.snapshot import State, current
 from .._core.table import format_table
 from .audit_windows import Reduced, Windows, rtol_for
-from .leaf_rows import UNOWNED, Capture, Row, plain_reference, reached_leaves, rows_of
+from .leaf_rows import UNOWNED, Capture, Mismatch, Row, reached_leaves, rows_of
+from .replay import Replays, needs_replay, reference
 
 __all__ = ["audit", "Audit", "AuditError", "Mismatch"]
 
 _log = logging.getLogger("graphscale")
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One leaf whose gradient in one backward was not its factor x the plain gradient.
-
-    ``observed`` is the factor that best explains what it received,
-    ``<delta, g> / <g, g>`` (nan where g is zero).
-    """
-
-    backward: int
-    group: str
-    parameter: str
-    shape: tuple[int, ...]
-    expected: float
-    observed: float
-    max_abs_err: float
-
-    def __str__(self) -> str:
-        return (
-            f"backward {self.backward}: group {self.group!r} parameter {self.parameter!r} {self.shape}: "
-            f"got {self.observed:.6g} x its plain gradient, expected {self.expected:g} "
-            f"(max abs error {self.max_abs_err:.3g})"
-        )
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass
@@ -110,9 +90,35 @@ class Audit:
     _entered: bool = field(default=False, repr=False)
     _windows: Windows = field(init=False, repr=False)
     _dtypes: set[torch.dtype] = field(default_factory=set, repr=False)
+    _replays: Replays = field(default_factory=lambda: Replays("graphscale.audit", lambda: needs_replay(current())),
+                              repr=False)
 
     def __post_init__(self) -> None:
         self._windows = Windows(self._within, self._found_reduced)
+
+    def replayable(self, fn: F) -> F:
+        """``fn`` (the function that computes the micro-step's loss from its
+        batch), wrapped so that the audit may call it once more, with the same
+        arguments, as the reference of a backward of what it returned: where
+        the backward's own graph cannot be backpropagated twice (a DeepSpeed
+        engine at ZeRO stage 3).  The replay draws the same randomness
+        (torch's generators, forked), leaves every module buffer it changes
+        as it was, accumulates into no ``.grad`` and steps nothing; it costs
+        about one more forward and backward (NOTE [ Audit by replay ] in
+        _tools/replay.py).  Wrap it on every rank.  Elsewhere the wrapper only
+        calls ``fn``.
+
+        Example (a plain group: its own graph serves, no replay runs)::
+
+            >>> import torch, graphscale
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with graphscale.install(graphscale.Group(model, gas=2)), graphscale.audit() as check:
+            ...     loss_of = check.replayable(lambda x: model(x).sum())
+            ...     loss_of(torch.ones(3, 2)).backward()
+            >>> check.ok, check.backwards
+            (True, 1)
+        """
+        return self._replays.wrap(fn)
 
     def _within(self, err: float, scale: float, dtype: torch.dtype) -> bool:
         return err <= self.atol + rtol_for(self.rtol, dtype) * scale
@@ -189,20 +195,19 @@ class Audit:
             else list(grads)
         if seeds is None:
             return run(call)  # a seed torch cannot make: torch raises its own error
-        try:  # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot an output hook obeys ])
-            ref = plain_reference(state, roots, seeds, leaves)
-        except RuntimeError as exc:
-            raise GraphscaleError(
-                "graphscale.audit: could not compute the plain reference gradient with torch.autograd.grad "
-                f"({exc}). Reentrant activation checkpointing, for one, does not support it: audit with "
-                "use_reentrant=False, or outside the checkpointed model. No gradient was touched."
-            ) from exc
+        # bound: DeepSpeed's output hooks see a governed backward (NOTE [ Which snapshot an output hook obeys ])
+        ref = reference(state, roots, seeds, leaves, self._replays)  # or by replay: NOTE [ Audit by replay ]
+        pairs = ref.compared(leaves)
+        leaves, plain = [p for p, _ in pairs], [g for _, g in pairs]
         self._dtypes.update(p.dtype for p in leaves)
-        self._windows.before(self.backwards + 1, state, factors, list(zip(leaves, ref)))
+        unknown = None if ref.unfaithful is None else "a replay that was not the micro-step's forward"
+        self._windows.before(state, factors, pairs, unknown)
         with spec_reads(reads), Capture(leaves) as got:
             run(call)
         self.backwards += 1
-        self._compare(state, factors, leaves, (ref, got.grads))
+        if ref.unfaithful is not None:  # after the real backward: every rank ran it (NOTE [ Audit by replay ])
+            raise GraphscaleError(f"graphscale.audit: backward {self.backwards}: {ref.unfaithful}")
+        self._compare(state, factors, leaves, (plain, got.grads))
 
     def _compare(self, state: State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
                  observed: tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]]) -> None:
@@ -289,18 +294,21 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
         An :class:`Audit` handle; ``print(handle)`` is the per-group
         gradient-norm report.
 
-    Costs about one extra backward per backward, a copy of the gradients the
-    backward hands the reached leaves, and at a boundary one all-reduce of
-    the window's expected gradients.  Nested backwards (reentrant
-    checkpointing) are checked as part of the outer one, which needs
-    ``torch.autograd.grad`` to work on the graph.  The audit is process wide;
-    run one at a time, on every rank.
+    Costs about one extra backward per backward (with a replay: one extra
+    forward and backward), a copy of the gradients the backward hands the
+    reached leaves, and at a boundary one all-reduce of the window's expected
+    gradients.  Nested backwards (reentrant checkpointing) are checked as
+    part of the outer one, which needs ``torch.autograd.grad`` to work on the
+    graph.  The audit is process wide; run one at a time, on every rank.
 
     Supported: :class:`Group` s (FSDP2 ones included: read at their unsharded
     parameters, before the reduce-scatter), and DeepSpeed engines at ZeRO
-    stage 0, 1 and 2, fp32, bf16 and fp16, on any number of ranks.  Refused
-    before the backward runs, with the reason: ZeRO stage 3 (a graph can be
-    backpropagated only once there, and the reference is a second pass).
+    stage 0 to 3, fp32, bf16 and fp16, on any number of ranks.  At ZeRO
+    stage 3 a graph can be backpropagated only once, so the reference comes
+    from the micro-step's forward called once more: wrap the function that
+    computes the loss with :meth:`Audit.replayable` (NOTE [ Audit by replay ]
+    in _tools/replay.py); a backward there without one is refused before it runs,
+    saying so.
 
     Example::
 
@@ -325,10 +333,9 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
 
 # ---------------------------------------------------------------- helpers
 def _expected_factor(group: Group, spec: tuple[str, float], scaling: bool) -> float:
-    """The factor the contract promises ``group``, from its configuration as
-    read for this backward (``spec``: ("gas", GAS) or ("factor", factor)), on
-    a path of its own (not the planner's ``factor()``), so that a wrong factor
-    shows; times an fp16 engine's loss scale."""
+    """The factor the contract promises ``group``, from its configuration read for this backward
+    (``spec``: ("gas", GAS) or ("factor", factor)), on a path of its own (not the planner's
+    ``factor()``), so that a wrong factor shows; times an fp16 engine's loss scale."""
     kind, value = spec
     factor = (1.0 / value if kind == "gas" else value) if scaling else 1.0
     return factor * _registry.audit_scale(group)

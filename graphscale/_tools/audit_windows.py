@@ -13,7 +13,9 @@
 # compares the reduced gradient with that sum averaged over the ranks that
 # reduce (a collective: every rank checks the same parameters in the same
 # order).  A window the audit did not see from its start (entered mid-window,
-# or gradients accumulated while no audit ran) is not checked and is
+# or gradients accumulated while no audit ran), or one with a backward whose
+# expected gradients are unknown (a replay that was not the micro-step's
+# forward: NOTE [ Audit by replay ] in _tools/replay.py), is not checked and is
 # reported as such; so is a boundary at which the framework did not reduce.
 """
 from __future__ import annotations
@@ -51,13 +53,16 @@ class Reduced:
                 f"(the window's factor x plain gradients averaged over ranks; max abs error {self.max_abs_err:.3g})")
 
 
+_UNSEEN = "the audit did not see its window from the start"
+
+
 class _Window:
-    __slots__ = ("window", "sums", "complete", "steps", "closed", "pending")
+    __slots__ = ("window", "sums", "why", "steps", "closed", "pending")
 
     def __init__(self, window: Any) -> None:
         self.window = window
         self.sums: dict[int, torch.Tensor] = {}
-        self.complete = bool(window.starts())  # first seen at the start of a window
+        self.why: str | None = None if window.starts() else _UNSEEN  # why its sums are not the whole window
         self.steps = window.steps()
         self.closed = False
         self.pending = False
@@ -70,24 +75,31 @@ class Windows:
                  report: Callable[[list[Reduced]], None]) -> None:
         self.tolerance, self.report = tolerance, report
         self.windows: dict[Group, _Window] = {}
+        self.backwards = 0  # backwards seen (before() is called once for each)
         self.checked: dict[str, int] = {}  # group name -> boundaries checked
         self.skipped: dict[str, str] = {}  # group name -> why its last boundary was not checked
 
-    def before(self, n: int, state: State, factors: dict[Group, float],
-               expected: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-        """Before backward ``n`` runs: add its contributions (``expected``:
+    def before(self, state: State, factors: dict[Group, float],
+               expected: Sequence[tuple[torch.Tensor, torch.Tensor | None]], unknown: str | None = None) -> None:
+        """Before the next backward runs: add its contributions (``expected``:
         (leaf, plain gradient)) to each window, and schedule the check of each
-        window that this backward ends."""
+        window that this backward ends; ``unknown``: why its plain gradients
+        are not known, so no window it adds to is checked."""
+        self.backwards += 1
+        n = self.backwards
+        touched = {id(state.owner.get(id(p))) for p, _ in expected}
         for g in state.groups:
             w = self._window(g)
             if w is None:
                 continue
             if w.pending:
                 self.skipped[g.name] = "the framework did not reduce at its last boundary"
-                w.pending, w.complete = False, False
+                w.pending, w.why = False, "the framework did not reduce at its last boundary"
             if w.closed:
                 stepped = w.window.steps() != w.steps
-                w.sums, w.complete, w.closed = {}, stepped, False
+                w.sums, w.why, w.closed = {}, None if stepped else _UNSEEN, False
+            if unknown is not None and id(g) in touched:
+                w.why = unknown
             factor = factors[g]
             for p, ref in expected:
                 if ref is not None and state.owner.get(id(p)) is g:
@@ -96,8 +108,8 @@ class Windows:
                     w.sums[id(p)] = add if prev is None else prev + add
             if w.window.boundary():
                 w.closed, w.steps = True, w.window.steps()
-                if not w.complete:
-                    self.skipped[g.name] = "the audit did not see its window from the start"
+                if w.why is not None:
+                    self.skipped[g.name] = w.why
                 elif w.window.after_reduction(self._check(n, g, w)):
                     w.pending = True
 

@@ -8,7 +8,8 @@
 # reference pass so DeepSpeed's output hooks neither divide nor run their
 # prologue: NOTE [ Audit reference ] in _tools/audit.py), from the loss the user
 # gave (``engine.backward(loss)`` divides it by GAS before torch sees it, so
-# there the reference is taken from ``loss`` itself); then DeepSpeed's own
+# there the reference is taken from ``loss`` itself; at ZeRO stage 3 from the
+# replayed forward: NOTE [ Audit by replay ] in _tools/replay.py); then DeepSpeed's own
 # backward runs as without graphscale, and a tensor hook on each parameter
 # reads the gradient DeepSpeed's graph hands it.  The factor DeepSpeed gave
 # is <got, g> / <g, g>; the contract wants 1/GAS of the owning engine (1
@@ -26,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations_with_replacement
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -37,9 +38,12 @@ from .._core.errors import GraphscaleError
 from .._core.group import Group
 from .._core.snapshot import State, current
 from .._core.table import format_table
-from .leaf_rows import Capture, dtype_rtol, plain_reference, reached_leaves
+from .leaf_rows import Capture, dtype_rtol, reached_leaves
+from .replay import Replays, needs_replay, reference
 
 __all__ = ["diagnose", "Diagnosis", "Finding"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,18 @@ class Diagnosis:
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _state: State | None = field(default=None, repr=False)
     _patched: Any = field(default=None, repr=False)
+    _replays: Replays = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._replays = Replays("graphscale.diagnose", lambda: needs_replay(self._state))
+
+    def replayable(self, fn: F) -> F:
+        """``fn`` (the function that computes the micro-step's loss), wrapped so
+        that the diagnosis may call it once more for its reference where the
+        backward's graph cannot be backpropagated twice (ZeRO stage 3), as
+        :meth:`graphscale.Audit.replayable` does (NOTE [ Audit by replay ] in
+        _tools/replay.py)."""
+        return self._replays.wrap(fn)
 
     @property
     def ok(self) -> bool:
@@ -139,11 +155,15 @@ class Diagnosis:
         leaves = [p for p in reached_leaves(call.roots, call.inputs_arg) if id(p) in state.owner]
         if not leaves or any(g is None and t.numel() != 1 for t, g in zip(roots, grads)):
             return call.run(None)
-        ref = plain_reference(state, roots, grads, leaves)
+        ref = reference(state, roots, grads, leaves, self._replays)  # NOTE [ Audit by replay ] where needed
+        pairs = ref.compared(leaves)
+        leaves = [p for p, _ in pairs]
         with Capture(leaves) as got:
             call.run(None)
         self.backwards += 1
-        self._compare(state, leaves, ref, got.grads)
+        if ref.unfaithful is not None:  # after the real backward: every rank ran it
+            raise GraphscaleError(f"graphscale.diagnose: backward {self.backwards}: {ref.unfaithful}")
+        self._compare(state, leaves, [g for _, g in pairs], got.grads)
 
     def _compare(self, state: State, leaves: Sequence[torch.Tensor], ref: Sequence[torch.Tensor | None],
                  got: Sequence[torch.Tensor | None]) -> None:
@@ -216,8 +236,12 @@ def diagnose(*engines: Any, rtol: float = 1e-4, **named: Any) -> Diagnosis:
 
     Costs one extra backward (the plain reference) per backward, and a copy
     of the reached parameters' gradients.  Not while graphscale is installed
-    (:func:`graphscale.audit` checks a governed run); ZeRO stage 3 cannot be
-    watched (a graph is backpropagated only once there).
+    (:func:`graphscale.audit` checks a governed run).  At ZeRO stage 3 a
+    graph is backpropagated only once, so the reference comes from the
+    micro-step's forward called once more (one more forward and backward):
+    wrap the function that computes the loss with
+    :meth:`Diagnosis.replayable` (``loss_of = found.replayable(loss_of)``);
+    a backward there without one is refused before it runs.
 
     Example (``actor``, ``critic``: engines with GAS 2 and 4; DeepSpeed >= 0.19.6)::
 

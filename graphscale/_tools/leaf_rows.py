@@ -15,9 +15,33 @@ from .._core.group import Group
 from .._core.snapshot import State
 from .._core.walk import root_node
 
-__all__ = ["UNOWNED", "plain_reference", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
+__all__ = ["UNOWNED", "Mismatch", "plain_reference", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
 
 UNOWNED = "(unowned)"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One leaf whose gradient in one backward was not its factor x the plain gradient.
+
+    ``observed`` is the factor that best explains what it received,
+    ``<delta, g> / <g, g>`` (nan where g is zero).
+    """
+
+    backward: int
+    group: str
+    parameter: str
+    shape: tuple[int, ...]
+    expected: float
+    observed: float
+    max_abs_err: float
+
+    def __str__(self) -> str:
+        return (
+            f"backward {self.backward}: group {self.group!r} parameter {self.parameter!r} {self.shape}: "
+            f"got {self.observed:.6g} x its plain gradient, expected {self.expected:g} "
+            f"(max abs error {self.max_abs_err:.3g})"
+        )
 
 
 def reached_leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
@@ -45,14 +69,15 @@ def reached_leaves(roots: Sequence[Any], inputs: Any) -> list[torch.Tensor]:
 
 
 def plain_reference(state: State, roots: Sequence[Any], seeds: Sequence[Any],
-                    leaves: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+                    leaves: Sequence[torch.Tensor], retain: bool = True) -> tuple[torch.Tensor | None, ...]:
     """The plain gradient of each of ``leaves`` for a backward of ``roots``
-    with ``seeds``, on the same graph (retained), nothing accumulated, the
-    graph task bound as a reference pass (NOTE [ Audit reference ] in
-    _tools/audit.py): output hooks of engines ``state`` names neither divide nor run
-    their prologue."""
+    with ``seeds``, nothing accumulated, the graph task bound as a reference
+    pass (NOTE [ Audit reference ] in _tools/audit.py): output hooks of engines
+    ``state`` names neither divide nor run their prologue.  ``retain``: the
+    graph is the real backward's own, kept for it (a replayed one is not:
+    NOTE [ Audit by replay ] in _tools/replay.py)."""
     with _running.bound(roots, _running.reference_binding(state)) as bound_roots:
-        return torch.autograd.grad(bound_roots, leaves, grad_outputs=list(seeds), retain_graph=True,
+        return torch.autograd.grad(bound_roots, leaves, grad_outputs=list(seeds), retain_graph=retain,
                                    allow_unused=True)
 
 

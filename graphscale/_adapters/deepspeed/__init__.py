@@ -110,14 +110,14 @@ class _DeepSpeedAdapter(_registry.Adapter):
     def audit_scale(self, group: Any) -> float:
         return loss_scale(group.engine) if isinstance(group, EngineGroup) else 1.0
 
-    def audit_refusal(self, group: Any) -> str | None:
+    def audit_replay(self, group: Any) -> str | None:
         if not isinstance(group, EngineGroup) or int(group.engine.zero_optimization_stage()) < 3:
             return None
         return (f"group {group.name!r} is a DeepSpeed engine at ZeRO stage 3, where a graph can be "
                 "backpropagated only once (ZeRO-3 gathers each module's parameters for one backward pass per "
-                "forward; DeepSpeed alone raises on a second pass), and the audit's plain reference is a "
-                "second pass. Audit the same model and ranks at ZeRO stage 2, whose gradients take the same "
-                "scaling, then switch back.")
+                "forward; DeepSpeed alone raises on a second pass), and the plain reference over the same graph "
+                "is a second pass (at ZeRO stage 2 the same model and ranks, whose gradients take the same "
+                "scaling, need no replay).")
 
     def audit_window(self, group: Any) -> Any:
         return _EngineWindow(group.engine) if isinstance(group, EngineGroup) else None

@@ -304,8 +304,12 @@ def observe(engine: Any) -> Callable[[], None]:
         deepspeeds_backward = cls.backward.__get__(engine, cls)
 
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
-            with engine_backward(scale_wrt_gas, 1.0, (engine, loss)):
-                return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            running = getattr(engine, "_running_engine_backward", False)
+            try:
+                with engine_backward(scale_wrt_gas, 1.0, (engine, loss)):
+                    return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+            finally:  # <= 0.19.5 leaves it True when its backward raised (the diagnosis' refusal, for one)
+                engine._running_engine_backward = running
 
         backward.__doc__ = deepspeeds_backward.__doc__
         engine.backward = backward
