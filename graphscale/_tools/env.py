@@ -28,6 +28,8 @@ from .._core import releases as _releases
 from .._core.errors import GraphscaleError
 from .._native import build as _build
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graphscale/ (this file is in _tools/)
+
 __all__ = ["rows", "report"]
 
 Row = tuple[str, str, bool]  # (what, value, usable)
@@ -88,7 +90,7 @@ def rows(wait: float = 0.0) -> list[Row]:
     build under way."""
     cuda = torch.version.cuda or "none (CPU build)"
     out: list[Row] = [
-        ("graphscale", f"{_version('graphscale')} ({os.path.dirname(os.path.abspath(__file__))})", True),
+        ("graphscale", f"{_version('graphscale')} ({_PACKAGE_DIR})", True),
         ("Python", f"{platform.python_version()} ({sys.executable})", True),
         ("platform", platform.platform(), True),
         ("torch", f"{torch.__version__}, CUDA {cuda}, GPU {'available' if torch.cuda.is_available() else 'none'}"
