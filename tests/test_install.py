@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
-from conftest import grad_mismatches
+from conftest import grad_mismatches, require_deepspeed
 from torch import nn
 
 import graphscale
@@ -165,3 +166,24 @@ def test_autograd_grad_is_left_alone() -> None:
         got = torch.autograd.grad((a(x) * b(x)).sum(), [a.weight, b.weight])
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert a.weight.grad is None and b.weight.grad is None
+
+
+
+@require_deepspeed
+@pytest.mark.deepspeed
+def test_engines_get_default_names_no_two_share_and_each_keeps_across_installs(make_engine: Any) -> None:
+    """An audit and a diagnosis report per group name: no two engines' default
+    names may be the same (they were ``id(engine) & 0xFFFF``, which two engines
+    shared about once in 15 runs), and one engine's name stays between installs."""
+    engines = [make_engine(nn.Linear(2, 2), 2, 1) for _ in range(6)]
+    names = []
+    for engine in engines:
+        with graphscale.install(engine) as inst:
+            (group,) = inst.groups
+            names.append(group.name)
+    assert len(set(names)) == len(names), names
+    assert all(n.startswith("engine:Linear#") for n in names), names
+    numbers = [int(n.rsplit("#", 1)[1]) for n in names]
+    assert numbers == sorted(numbers), names  # counted in the order first named, not drawn from an address
+    with graphscale.install(engines[0], engines[1]) as inst:
+        assert [g.name for g in inst.groups] == names[:2]

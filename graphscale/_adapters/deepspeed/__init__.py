@@ -29,7 +29,10 @@ the adapter with graphscale's registry (``_core/registry.py``) at import.
 """
 from __future__ import annotations
 
+import itertools
 import sys
+import threading
+import weakref
 from typing import Any, Callable
 
 from ..._core import registry as _registry
@@ -47,6 +50,22 @@ __all__ = ["EngineGroup", "loss_scale", "ADAPTER"]
 def _is_pipeline(engine: Any) -> bool:
     pipe = sys.modules.get("deepspeed.runtime.pipe.engine")
     return pipe is not None and isinstance(engine, pipe.PipelineEngine)
+
+_numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # engine -> its default name's number
+_next_number = itertools.count(1)
+_numbers_lock = threading.Lock()
+
+
+def _default_name(engine: Any) -> str:
+    """``engine:<module type>#<n>``: n counts the engines this process has
+    named, so two engines never share a default name (an audit or a
+    diagnosis reports per name), and one engine keeps its name across installs."""
+    with _numbers_lock:
+        n = _numbers.get(engine)
+        if n is None:
+            n = _numbers[engine] = next(_next_number)
+    return f"engine:{type(engine.module).__name__}#{n}"
+
 
 def loss_scale(engine: Any) -> float:
     """The factor DeepSpeed's engine.backward multiplies the loss by, now (see :func:`scale_reader`)."""
@@ -76,7 +95,7 @@ class EngineGroup(Group):
                 "graphscale.install: PipelineEngine schedules its own micro-batches and calls backward "
                 "itself; graphscale does not govern it. Install the non-pipeline engines only."
             )
-        name = name or f"engine:{type(engine.module).__name__}#{id(engine) & 0xFFFF:04x}"
+        name = name or _default_name(engine)
         if factor is UNSET:
             super().__init__(engine.module, gas=engine.gradient_accumulation_steps, name=name)
             self._factor_key = ("engine", id(engine))
