@@ -76,6 +76,8 @@ def run_fixed_costs(sizes: list[Any], quick: bool, device: str) -> dict[str, Any
     print("\ngraphscale's fixed cost per walked backward (median over "
           f"{out['breakdown'][0]['rounds']} interleaved rounds; {out['breakdown'][0]['source']}):")
     print(report.breakdown_table(out))
+    for line in report.breakdown_targets(out):
+        print(line)
     if out.get("tiny"):
         rounds = next(iter(out["tiny"].values()))["rounds"]
         print(f"\ngraphscale's fixed cost per governed backward, walk negligible (median over {rounds} "

@@ -66,20 +66,21 @@ def breakdown_rounds(bd: Breakdown, wl: Workload, gen: torch.Generator, device: 
         events[name] = events.get(name, 0.0) + seconds
 
     per = bd.per_round_us = {"deepspeed_us": [], "graphscale_us": []}
-    with DeepSpeedAlone(wl) as alone, Graphscale(wl) as governed:  # graphscale: installed once, on the twin
-        variants = (alone, governed)
-        for rnd in range(WARMUP + bd.rounds):
-            got: dict[str, float] = {}
-            events.clear()
-            for impl in variants[rnd % 2:] + variants[: rnd % 2]:
-                loss = impl.wl.loss(impl.wl.batch(gen), False)
+    variants = (DeepSpeedAlone(wl), Graphscale(wl))
+    for rnd in range(WARMUP + bd.rounds):
+        got: dict[str, float] = {}
+        for impl in variants[rnd % 2:] + variants[: rnd % 2]:
+            with impl.round():
+                impl.backward(wl.loss(wl.batch(gen), False))  # warm-up, untimed (gsbench/timing.py)
+                events.clear()
+                loss = wl.loss(wl.batch(gen), False)
                 dt, _ = timed_backward(impl, loss, device, phase)
                 del loss
-                got[impl.name + "_us"] = dt * 1e6
-            if rnd >= WARMUP:
-                for k in per:
-                    per[k].append(got[k])
-                bd.library_phases.append({k: v * 1e6 for k, v in events.items()})
+            got[impl.name + "_us"] = dt * 1e6
+        if rnd >= WARMUP:
+            for k in per:
+                per[k].append(got[k])
+            bd.library_phases.append({k: v * 1e6 for k, v in events.items()})
 
 
 def measure_breakdown(graph: str, wl: Workload, rounds: int, device: str) -> Breakdown:
@@ -91,8 +92,6 @@ def measure_breakdown(graph: str, wl: Workload, rounds: int, device: str) -> Bre
     del loss
     breakdown_rounds(bd, wl, gen, device)
     zero_grads(wl.engines)
-    if wl.twin is not None:
-        zero_grads(wl.twin.engines)
 
     per = bd.per_round_us
     extra_rounds = [g - d for g, d in zip(per["graphscale_us"], per["deepspeed_us"])]
@@ -131,13 +130,9 @@ def hf_pair(launch: Size, device: str) -> tuple[str, Workload]:
     """HF1 over the launch-bound GPT-2 engines, and its name in the table."""
     shape = HF_SHAPES["launch"]
 
-    def build() -> Workload:
-        torch.manual_seed(0)
-        am, cm = make_hf_modules(shape["layers"], shape["width"], device)
-        return hf_workloads(make_engine(am, gas=2), make_engine(cm, gas=4), launch, device)["HF1"]
-
-    pair = build()
-    pair.twin = build()  # graphscale's engines (gsbench/impls.py)
+    torch.manual_seed(0)
+    am, cm = make_hf_modules(shape["layers"], shape["width"], device)
+    pair = hf_workloads(make_engine(am, gas=2), make_engine(cm, gas=4), launch, device)["HF1"]
     return f"HF1 pair, GPT-2 {shape['layers']} layers x {shape['width']}", pair
 
 
@@ -160,7 +155,6 @@ def fixed_costs(sizes: list[Size], quick: bool, device: str) -> dict[str, Any]:
     launch = next((s for s in sizes if s.label == "launch"), Size(32, 2, 8 if quick else 16, "launch"))
     rounds = 61 if quick else 401
     tiny = tiny_pair(device)
-    tiny.twin = tiny_pair(device)  # graphscale's engines (gsbench/impls.py)
     gc.collect()
     gc.freeze()  # as in the table: installs between rounds do not scan torch's objects
     try:

@@ -1,12 +1,12 @@
 """The three implementations a row times, one class each.
 
-As a training loop runs them: ``with Impl(workload) as impl:`` switches one
-on for a whole row (before any forward, not timed), then every round's
-``with impl.round():`` wraps one forward and the timed
-``impl.backward(loss)``.  graphscale is installed once per row, on engines
-of its own (an identical copy, ``Workload.twin``), so every timed backward is
-a warm one of the same snapshot, as in a user's loop, while DeepSpeed alone
-and the per-leaf hooks run on the row's engines between its rounds.
+``with impl.round():`` switches one on for one round (not timed): a warm-up
+forward and backward, then the timed ``impl.backward(loss)`` of a fresh
+forward (gsbench/timing.py), so the timed backward is never the first of
+graphscale's installation, as in a user's loop that installs once and then
+steps.  Switched off between rounds: an installed graphscale patches
+``torch.autograd.backward`` for every backward of the process, DeepSpeed
+alone's rounds included.
 """
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ PhaseRecorder = Callable[[str, float], None]
 
 
 class Impl:
-    """One implementation, switched on for a row (``with``) and off again;
-    :meth:`round` wraps each round.  The base switches nothing and calls
-    ``engine.backward(loss)``."""
+    """One implementation; :meth:`round` switches it on for one round.  The
+    base switches nothing and calls ``engine.backward(loss)``."""
 
     name = ""
     observed = False  # True: graphscale's observation points see its backward
@@ -34,21 +33,8 @@ class Impl:
     def __init__(self, wl: Workload) -> None:
         self.wl = wl
 
-    def __enter__(self) -> Impl:
-        self.install()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def install(self) -> None:
-        pass
-
-    def remove(self) -> None:
-        pass
-
     def round(self) -> ContextManager[None]:
-        """What one round (a forward and its backward) runs inside."""
+        """What one round (its forwards and backwards) runs inside."""
         return contextlib.nullcontext()
 
     def backward(self, loss: Any) -> None:
@@ -93,20 +79,14 @@ class LeafHooks(Impl):
 
 
 class Graphscale(Impl):
-    """``graphscale.install(*engines)`` once, on the workload's twin (engines
-    of its own), for every round; DeepSpeed's ``engine.backward(loss)`` as is."""
+    """``graphscale.install(*engines)`` for the round; DeepSpeed's
+    ``engine.backward(loss)`` as is."""
 
     name = "graphscale"
     observed = True
 
-    def __init__(self, wl: Workload) -> None:
-        super().__init__(wl.twin if wl.twin is not None else wl)
-
-    def install(self) -> None:
-        self._installation = graphscale.install(*self.wl.engines)
-
-    def remove(self) -> None:
-        self._installation.remove()
+    def round(self) -> ContextManager[Any]:
+        return graphscale.install(*self.wl.engines)
 
     @contextlib.contextmanager
     def observing(self, walk: WalkRecorder, phase: PhaseRecorder | None = None) -> Any:

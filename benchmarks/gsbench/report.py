@@ -87,6 +87,20 @@ def breakdown_table(fixed: dict[str, Any]) -> str:
     return render(head, rows)
 
 
+HF1_EXTRA_TARGET_US = 70.0  # issue 28: graphscale's whole extra per backward on the launch-bound GPT-2 pair
+
+
+def breakdown_targets(fixed: dict[str, Any]) -> list[str]:
+    """The HF1 pair's whole extra per backward against HF1_EXTRA_TARGET_US."""
+    out = []
+    for b in fixed["breakdown"]:
+        if b["graph"].startswith("HF1"):
+            extra = b["phases_us"]["total (measured)"]
+            out.append(f"{b['graph']}: graphscale's whole extra per backward {extra:.0f} us <= "
+                       f"{HF1_EXTRA_TARGET_US:g}: {'met' if extra <= HF1_EXTRA_TARGET_US else 'NOT MET'}")
+    return out
+
+
 def tiny_table(fixed: dict[str, Any]) -> str:
     """NOTE [ Tiny fixed cost ]: one line per way of calling backward."""
     rows = [(name, f"{t['deepspeed_us']:.0f}", f"{t['added_us']:.1f} +-{t['notch_us']:.1f}", f"{t['target_us']:.0f}",
@@ -105,7 +119,7 @@ def row_checks(s: dict[str, Any]) -> list[tuple[bool, str]]:
     """The targets of one row, each (met, what it says)."""
     g = s["impl"]["graphscale"]
     one_factor = s["expected_multiplications"] == 1  # W1, W4: the fast path
-    bound = (1.01 if one_factor or s["size"] == "compute" else 1.03)
+    bound = 1.005 if s["size"] == "compute" else (1.01 if one_factor else 1.02)  # issue 28 (one factor: issue 4)
     checks = [
         (g["ratio_median"] <= bound, f"ratio {g['ratio_median']:.3f} <= {bound}"),
         (g["ratio_median"] < s["impl"]["leaf-hooks"]["ratio_median"],
@@ -122,11 +136,38 @@ def row_checks(s: dict[str, Any]) -> list[tuple[bool, str]]:
     return checks
 
 
+NESTED_TARGET_US = 12.0  # issue 28: graphscale's cost per nested backward of a reentrant-checkpointed block
+
+
+def _extra_us(s: dict[str, Any]) -> float:
+    """graphscale's backward minus DeepSpeed alone's, same round, median (us)."""
+    pairs = zip(s["impl"]["graphscale"]["times_s"], s["impl"]["deepspeed"]["times_s"])
+    return med([g - d for g, d in pairs]) * 1e6
+
+
+def nested_cost(summaries: list[dict[str, Any]]) -> list[str]:
+    """Per size: graphscale's cost per nested backward, (W5's extra - W2's
+    extra) / the nested backwards of one W5 step (every block of both towers),
+    against NESTED_TARGET_US."""
+    out = []
+    for w5 in (s for s in summaries if s["workload"] == "W5"):
+        w2 = next((s for s in summaries if s["workload"] == "W2" and s["size"] == w5["size"]), None)
+        if w2 is None:
+            continue
+        n = 2 * w5["layers"]
+        us = (_extra_us(w5) - _extra_us(w2)) / n
+        verdict = "met" if us <= NESTED_TARGET_US else "NOT MET"
+        out.append(f"nested backward ({w5['size']}-bound, (W5 extra - W2 extra) / {n} blocks): {us:.1f} us "
+                   f"<= {NESTED_TARGET_US:g}: {verdict}")
+    return out
+
+
 def targets(summaries: list[dict[str, Any]]) -> list[str]:
-    """The overhead targets, checked on this run's medians: graphscale within
-    1.01x of DeepSpeed alone with one factor in play or compute-bound, 1.03x
-    otherwise; below per-leaf hooks; multiplications = engine boundaries;
-    exact; walk <= 150 ns/node; peak memory within 1 %.  One line per row."""
+    """The overhead targets (issue 28), checked on this run's medians:
+    graphscale within 1.02x of DeepSpeed alone launch-bound (1.01x with one
+    factor in play), 1.005x compute-bound; below per-leaf hooks;
+    multiplications = engine boundaries; exact; walk <= 150 ns/node; peak
+    memory within 1 %.  One line per row, then the cost per nested backward."""
     out = []
     for s in summaries:
         checks = row_checks(s)
@@ -134,4 +175,4 @@ def targets(summaries: list[dict[str, Any]]) -> list[str]:
         good = [msg for ok, msg in checks if ok]
         out.append(f"{row_label(s)}: " + ("all targets met" if not bad else "NOT MET: " + "; ".join(bad))
                    + (f"  (met: {'; '.join(good)})" if bad else ""))
-    return out
+    return out + nested_cost(summaries)

@@ -21,16 +21,13 @@ class Workload:
     the forward and returns a scalar (``plain=True``: the oracle's forward,
     through the bare modules, no engine); ``checkpoint(on)`` switches this
     row's activation checkpointing on or off (the oracle runs with it off);
-    ``caller.backward(loss)`` is the backward that is timed.  ``twin``: the
-    same row over an identical copy of the engines (graphscale stays
-    installed on it for the whole row, gsbench/impls.py), or None."""
+    ``caller.backward(loss)`` is the backward that is timed."""
 
     engines: tuple[Any, ...]
     caller: Any
     loss: Callable[[tuple[Any, ...], bool], Any]
     batch: Callable[[Any], tuple[Any, ...]]
     checkpoint: Callable[[bool], None] = lambda on: None
-    twin: Workload | None = None
 
 
 def tower_workloads(actor: Any, critic: Any, size: Size, device: str) -> dict[str, Workload]:
@@ -106,23 +103,8 @@ def hf_workloads(actor: Any, critic: Any, size: Size, device: str) -> dict[str, 
 def family_workloads(family: str, layers: int, size: Size, device: str) -> dict[str, Workload]:
     """Fresh actor (GAS 2) and critic (GAS 4) engines, seed 0, and the rows
     over them: ``family`` "tower" (W1-W6, ``layers`` blocks of width
-    ``size.hidden``) or "hf" (HF1, HF2: GPT-2, ``layers`` x ``size.hidden``);
-    each row with its twin over an identical second pair of engines, whose
-    checkpointing it switches along."""
-    rows = _family(family, layers, size, device)
-    twins = _family(family, layers, size, device)
-    for name, wl in rows.items():
-        twin = wl.twin = twins[name]
-        wl.checkpoint = _both(wl.checkpoint, twin.checkpoint)
-    return rows
-
-
-def _both(first: Callable[[bool], None], second: Callable[[bool], None]) -> Callable[[bool], None]:
-    def switch(on: bool) -> None:
-        first(on)
-        second(on)
-
-    return switch
+    ``size.hidden``) or "hf" (HF1, HF2: GPT-2, ``layers`` x ``size.hidden``)."""
+    return _family(family, layers, size, device)
 
 
 def _family(family: str, layers: int, size: Size, device: str) -> dict[str, Workload]:
