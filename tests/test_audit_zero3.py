@@ -279,6 +279,12 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])
 def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    import deepspeed
+
+    release = tuple(int(n) for n in deepspeed.__version__.split("+")[0].split(".")[:3])
+    if request.param > 1 and release < (0, 19, 8):  # (as tests/test_training_parity.py, ZERO3_HOOKS_FLAKY)
+        pytest.skip("DeepSpeed before 0.19.8, ZeRO 3 on two gloo ranks, is not reproducible from run to run here "
+                    "(DeepSpeed alone: wrong and NaN weights in some runs of an otherwise exact case); one rank runs")
     return rank_results(run_ranks([os.path.abspath(__file__)], world=request.param, env={"DS_ACCELERATOR": "cpu"}))
 
 
