@@ -393,5 +393,5 @@ def test_audit_passes_fp16_engines_with_their_loss_scales_and_catches_a_missing_
     rig = Rig(stage, boundary=None)
     monkeypatch.setattr(EngineGroup, "pin", lambda self, scaling=True: self.factor() if scaling else 1.0)
     with graphscale.install(*rig.engines.values()), graphscale.audit() as check:
-        with pytest.raises(graphscale.AuditError, match=r"group 'engine:\w+#[0-9a-f]{4}' parameter"):
+        with pytest.raises(graphscale.AuditError, match=r"group 'engine:\w+#[0-9]+' parameter"):
             rig.backward(call, rig.roots("two_engines"))
