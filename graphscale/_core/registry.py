@@ -133,13 +133,18 @@ def registered() -> tuple[Adapter, ...]:
     return _adapters
 
 
+def _first(ask: Callable[[Adapter], Any]) -> Any:
+    """The first adapter's answer to ``ask`` that is not None, in registration order, or None."""
+    for a in _adapters:
+        answer = ask(a)
+        if answer is not None:
+            return answer
+    return None
+
+
 def group_type(obj: Any) -> type | None:
     """The Group subclass an adapter makes for ``obj``, or None."""
-    for a in _adapters:
-        t = a.group_type(obj)
-        if t is not None:
-            return t
-    return None
+    return _first(lambda a: a.group_type(obj))
 
 
 def _each_undoable(ask: Callable[[Adapter], Callable[[], None] | None]) -> list[Callable[[], None]]:
@@ -189,11 +194,7 @@ def _owned_by(owns: Callable[[Any, Leaf], bool], group: Any) -> Callable[[Leaf],
 
 def hook_owner(group: Any) -> Any:
     """The object whose output hooks obey a backward through ``group``, or None."""
-    for a in _adapters:
-        owner = a.hook_owner(group)
-        if owner is not None:
-            return owner
-    return None
+    return _first(lambda a: a.hook_owner(group))
 
 
 def output_hooked(tensor: Leaf) -> bool:
@@ -203,29 +204,17 @@ def output_hooked(tensor: Leaf) -> bool:
 
 def audit_refusal(group: Any) -> str | None:
     """The first adapter's reason the audit cannot check ``group``, or None."""
-    for a in _adapters:
-        why = a.audit_refusal(group)
-        if why is not None:
-            return why
-    return None
+    return _first(lambda a: a.audit_refusal(group))
 
 
 def audit_replay(group: Any) -> str | None:
     """The first adapter's reason ``group``'s reference must be replayed, or None."""
-    for a in _adapters:
-        why = a.audit_replay(group)
-        if why is not None:
-            return why
-    return None
+    return _first(lambda a: a.audit_replay(group))
 
 
 def audit_window(group: Any) -> Any:
     """The first adapter's window object for ``group`` (see :meth:`Adapter.audit_window`), or None."""
-    for a in _adapters:
-        window = a.audit_window(group)
-        if window is not None:
-            return window
-    return None
+    return _first(lambda a: a.audit_window(group))
 
 
 def audit_scale(group: Any) -> float:
