@@ -106,6 +106,24 @@ def test_a_per_tensor_function_captured_at_registration_is_refused(engine: Any,
     _refused(engine, "preprocess_per_tensor_fn is not read from the manager when its hook fires")
 
 
+def test_a_hook_that_calls_its_per_tensor_function_unchecked_is_refused(engine: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a governed backward an engine's managers read their per-tensor
+    function as None: a hook that calls it without asking would raise there."""
+
+    def make_hook(self: Any, tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self.preprocess_done:
+                self.preprocess_done = True
+                self.preprocess_once_fn()
+            return self.preprocess_per_tensor_fn(grad)  # type: ignore[no-any-return]
+
+        return hook
+
+    monkeypatch.setattr(_hook_manager(), "_make_backward_hook", make_hook)
+    _refused(engine, "does not pass the gradient on unchanged when preprocess_per_tensor_fn is None")
+
+
 def test_a_per_tensor_prologue_that_stopped_dividing_is_refused(engine: Any,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(type(engine), "_backward_prologue_per_tensor", lambda self, grad: grad)

@@ -1,6 +1,6 @@
 """What autograd is running under graphscale: the bindings of running graph
 tasks to what governs them (:func:`binding_for`, :class:`bound`,
-:func:`task_binding`, :func:`governing_binding`), which output hooks and
+:func:`task_binding`), which output hooks and
 nested backwards read, and the registry of walked plans whose backward is
 running (:func:`running_plan`, :func:`running`, :func:`enclosing_phi`),
 which nested backwards plan from.
@@ -27,7 +27,7 @@ from .frames import compiled_autograd_active
 
 __all__ = [
     "use_native", "native", "Binding", "binding_for", "reference_binding", "bound", "task_binding",
-    "task_reading", "governing_binding", "running_plan", "running", "enclosing_phi", "find_enclosing",
+    "task_reading", "running_plan", "running", "enclosing_phi", "find_enclosing",
 ]
 
 native: Any = None  # the native module the running state is kept in (use_native), or None: the Python one
@@ -213,16 +213,6 @@ def task_reading() -> Reading | None:
     """The reading bound to the graph task this thread is running a node of."""
     binding = task_binding()
     return None if binding is None else binding.reading
-
-
-def governing_binding(engine: Any) -> Any:
-    """The binding of the running graph task if it governs ``engine`` (a
-    reference pass governs every engine: NOTE [ Once per backward ]), else
-    None: an ungoverned backward, where the engine's own bookkeeping applies."""
-    binding = task_binding()
-    if binding is None or not (binding.reference or id(engine) in binding.state.hook_owners):
-        return None
-    return binding
 
 
 # ---------------------------------------------------------------- running plans

@@ -9,9 +9,10 @@
 #   * once per hook-manager class, a self-test on a throwaway manager over a
 #     throwaway tensor: the hook reads preprocess_per_tensor_fn and
 #     preprocess_done from the instance when it fires, sets preprocess_done by
-#     assignment, runs the prologue once per manager however many outputs it
-#     hooks, and not again in a later backward until the flag is reset (an
-#     upstream change that decides "once" per graph task instead, as PR 8135
+#     assignment, passes the gradient on unchanged when the function is None,
+#     runs the prologue once per manager however many outputs it hooks, and
+#     not again in a later backward until the flag is reset (an upstream
+#     change that decides "once" per graph task instead, as PR 8135
 #     proposes, fails here);
 #   * once per engine class, the methods and module attributes the adapter
 #     calls or shadows, and that engine.forward still registers its output
@@ -137,6 +138,16 @@ def _check_hook_manager(cls: type) -> None:
     outs[0].sum().backward()
     if calls["once"] != 2:
         raise _refuse(f"{name}'s hook", "did not run the prologue when preprocess_done was reset")
+    manager.preprocess_per_tensor_fn = None  # what a governed engine's managers read (_adapters/deepspeed/hooks.py)
+    leaf.grad = None
+    try:
+        outs[1].sum().backward(retain_graph=True)
+        passed = leaf.grad is not None and leaf.grad.tolist() == [2.0, 2.0]
+    except Exception:  # (it called None)
+        passed = False
+    if not passed:
+        raise _refuse(f"{name}'s hook", "does not pass the gradient on unchanged when preprocess_per_tensor_fn "
+                                        "is None")
     manager.remove_hooks()
 
 

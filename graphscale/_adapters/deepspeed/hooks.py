@@ -6,17 +6,21 @@ Part of the DeepSpeed adapter; reads ``sys.modules``, never imports deepspeed.""
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+import threading
+from typing import Any
 
 import torch
 
-from ..._backward.running import governing_binding, task_binding
+from ..._backward.entry import patched, when_unpatched
+from ..._backward.running import task_binding
 from ..._core.errors import GraphscaleError
 from .reads import engine_type
 
-__all__ = ["attached", "is_output_hooked", "redirect_on", "PROLOGUE", "SHADOWED"]
+__all__ = ["attached", "is_output_hooked", "redirect_on", "redirect_off", "PROLOGUE", "SHADOWED"]
 
-attached: dict[int, Any] = {}  # id(engine) -> its _deepspeed_engine._EngineAdapter, while installed
+lock = threading.Lock()  # attach, detach, observe, and the descriptors' lifetime (redirect_off)
+attached: dict[int, Any] = {}  # id(engine) -> its engine.py _EngineAdapter, while installed
+observed: set[int] = set()  # id(engine) of the engines graphscale.diagnose watches now (engine.py observe)
 # what an adapter puts on its engine instance
 SHADOWED = ("backward", "scale", "_backward_epilogue", "_backward_prologue")
 
@@ -24,24 +28,6 @@ SHADOWED = ("backward", "scale", "_backward_epilogue", "_backward_prologue")
 # ---------------------------------------------------------------- the output-hook redirect
 _FN = "preprocess_per_tensor_fn"
 PROLOGUE = "_backward_prologue_per_tensor"
-
-
-class _Governed:
-    """An engine's per-tensor function as its output hook sees it while the
-    redirect is on: pass the gradient through when the running backward
-    governs the engine, else DeepSpeed's own (NOTE [ DeepSpeed's two
-    generations ])."""
-
-    __slots__ = ("deepspeeds",)
-
-    def __init__(self, deepspeeds: Callable[[Any], Any]) -> None:
-        self.deepspeeds = deepspeeds
-
-    def __call__(self, grad: Any) -> Any:
-        binding = task_binding()  # NOTE [ Which snapshot an output hook obeys ] (in _backward/running.py)
-        if binding is not None and id(self.deepspeeds.__self__) in binding.state.hook_owners:  # type: ignore[attr-defined]
-            return grad  # graphscale places the factor at the engine's leaves
-        return self.deepspeeds(grad)
 
 
 def is_output_hooked(tensor: torch.Tensor) -> bool:
@@ -52,18 +38,14 @@ def is_output_hooked(tensor: torch.Tensor) -> bool:
 
 
 _SEEN = "_graphscale_engine_of"  # on a manager: (its per-tensor function, the engine it names or None)
-_WRAPPED = "_graphscale_governed"  # on a manager: the _Governed of its per-tensor function
 
 
-def _engine_of(manager: Any) -> Any:
-    """The engine whose forward made hook ``manager`` (its per-tensor function
-    is the engine's bound ``_backward_prologue_per_tensor``), or None; read
-    once per manager and function (the hooks ask several times a backward)."""
-    d = manager.__dict__
+def _engine_of(d: dict[str, Any]) -> Any:
+    """The engine whose forward made the hook manager of instance dict ``d``
+    (its per-tensor function is the engine's bound
+    ``_backward_prologue_per_tensor``), or None; read once per manager and
+    function (the hooks ask several times a backward)."""
     fn = d.get(_FN)
-    seen = d.get(_SEEN)
-    if seen is not None and seen[0] is fn:
-        return seen[1]
     engine = getattr(fn, "__self__", None)
     if not (getattr(fn, "__name__", None) == PROLOGUE and isinstance(engine, engine_type())):
         engine = None
@@ -71,23 +53,35 @@ def _engine_of(manager: Any) -> Any:
     return engine
 
 
+def _governing(d: dict[str, Any]) -> tuple[Any, Any]:
+    """(the engine of the manager of instance dict ``d`` or None, the binding
+    of the running graph task if it governs that engine or None): what both
+    descriptors ask, in one call, every time an output hook fires."""
+    seen = d.get(_SEEN)
+    engine = seen[1] if seen is not None and seen[0] is d.get(_FN) else _engine_of(d)
+    if engine is None:
+        return None, None
+    binding = task_binding()  # NOTE [ Which snapshot an output hook obeys ] (in _backward/running.py)
+    if binding is None or not (binding.reference or id(engine) in binding.state.hook_owners):
+        return engine, None
+    return engine, binding
+
+
 class _PerTensorRedirect:
     """The data descriptor of NOTE [ DeepSpeed's two generations ] on
-    OutputBackwardHookManager: an engine's per-tensor function reads as
-    :class:`_Governed`; anything else as it was set."""
+    OutputBackwardHookManager: inside a backward that governs an engine, that
+    engine's managers read their per-tensor function as None (DeepSpeed's
+    hook then passes the gradient on without calling it: graphscale places
+    the factor at the engine's leaves); anything else reads as it was set."""
 
     def __get__(self, manager: Any, owner: type | None = None) -> Any:
         if manager is None:
             return self
         d = manager.__dict__
-        fn = d.get(_FN)
-        made = d.get(_WRAPPED)
-        if made is not None and made.deepspeeds is fn:  # made once per manager and function
-            return made
-        if _engine_of(manager) is None:
-            return fn
-        made = d[_WRAPPED] = _Governed(fn)
-        return made
+        engine, binding = _governing(d)
+        if binding is not None and id(engine) in binding.state.hook_owners:
+            return None
+        return d.get(_FN)
 
     def __set__(self, manager: Any, value: Any) -> None:
         manager.__dict__[_FN] = value
@@ -105,16 +99,18 @@ class _PrologueOncePerBackward:
     def __get__(self, manager: Any, owner: type | None = None) -> Any:
         if manager is None:
             return self
-        engine = _engine_of(manager)
-        binding = None if engine is None else governing_binding(engine)
+        d = manager.__dict__
+        engine, binding = _governing(d)
         if binding is None:
-            return manager.__dict__.get(_DONE, False)
+            return d.get(_DONE, False)
         return binding.reference or id(engine) in binding.once
 
     def __set__(self, manager: Any, value: Any) -> None:
-        manager.__dict__[_DONE] = value
-        engine = _engine_of(manager) if value else None
-        binding = None if engine is None else governing_binding(engine)
+        d = manager.__dict__
+        d[_DONE] = value
+        if not value:
+            return
+        engine, binding = _governing(d)
         if binding is None or binding.reference or id(engine) in binding.once:
             return
         binding.once.add(id(engine))  # the manager runs the engine's prologue next
@@ -128,13 +124,38 @@ _ONCE = _PrologueOncePerBackward()
 _DESCRIPTORS = {_FN: _REDIRECT, _DONE: _ONCE}
 
 
+def _manager_class() -> Any:
+    return getattr(sys.modules.get("deepspeed.runtime.utils"), "OutputBackwardHookManager", None)
+
+
+def redirect_off() -> None:
+    """Under :data:`lock`: take the descriptors off DeepSpeed's hook-manager
+    class again once nothing needs them (no engine attached or observed,
+    ``torch.autograd.backward`` not patched: no governed backward runs; the
+    patch calls this as it comes off).
+    Managers then read their own attributes (the descriptors stored every
+    value there), as in a process where graphscale never was."""
+    cls = _manager_class()
+    if cls is None or attached or observed or patched():
+        return
+    for name, descriptor in _DESCRIPTORS.items():
+        if cls.__dict__.get(name) is descriptor:
+            delattr(cls, name)
+
+
+def _unpatched() -> None:
+    with lock:
+        redirect_off()
+
+
 def redirect_on() -> None:
     """Put the redirect and the prologue's once-per-backward flag on
-    DeepSpeed's hook-manager class (idempotent).  They stay: a backward
-    running when the last engine is removed still needs them, and for engines
-    no backward governs they hand DeepSpeed's own values through."""
-    utils = sys.modules.get("deepspeed.runtime.utils")
-    cls = getattr(utils, "OutputBackwardHookManager", None)
+    DeepSpeed's hook-manager class (idempotent).  They stay while an engine
+    is attached or observed and while ``torch.autograd.backward`` is patched
+    (a backward running when the last engine is removed still needs them;
+    for engines no backward governs they hand DeepSpeed's own values
+    through), and come off with the patch (:func:`redirect_off`)."""
+    cls = _manager_class()
     if cls is None:
         raise GraphscaleError(
             "graphscale: this DeepSpeed has no deepspeed.runtime.utils.OutputBackwardHookManager, through which "
@@ -151,3 +172,6 @@ def redirect_on() -> None:
             )
     for name, descriptor in _DESCRIPTORS.items():
         setattr(cls, name, descriptor)
+
+
+when_unpatched(_unpatched)  # (at import, not in attach(): the patch's lock is taken before this module's lock)
