@@ -139,6 +139,36 @@ def test_removing_an_engine_inside_a_backward_hook_keeps_that_backward_exact(mak
     assert max_rel_err(full_grads(engine), [g / 4 for g in plain]) < 1e-6, (
         "the engine's output hook divided again after remove() in the middle of a governed backward"
     )
+    assert not _on_hook_manager(), "the backward has ended: graphscale's descriptors should be gone"
+    engine.zero_grad()
+
+
+def _on_hook_manager() -> set[str]:
+    """graphscale's descriptors on DeepSpeed's OutputBackwardHookManager class now."""
+    from deepspeed.runtime.utils import OutputBackwardHookManager
+
+    return {n for n in ("preprocess_per_tensor_fn", "preprocess_done") if n in OutputBackwardHookManager.__dict__}
+
+
+@require_deepspeed
+@pytest.mark.deepspeed
+def test_removing_the_last_engine_leaves_deepspeeds_hook_manager_class_as_it_was(make_engine: Any) -> None:
+    """Installed and removed, graphscale leaves nothing on DeepSpeed's class
+    (a process that ran it times and trains as DeepSpeed alone); an output
+    made while installed and backpropagated after gets DeepSpeed's own division."""
+    torch.manual_seed(3)
+    engine = make_engine(torch.nn.Linear(3, 3), gas=4, stage=1)
+    x = torch.randn(2, 3)
+    plain = _plain_grads(lambda: engine.module(x).pow(2).sum(), list(engine.module.parameters()))
+    with graphscale.install(engine):
+        assert _on_hook_manager() == {"preprocess_per_tensor_fn", "preprocess_done"}
+        out = engine(x)
+        with graphscale.install(engine):  # nested installations: off only with the last
+            pass
+        assert _on_hook_manager() == {"preprocess_per_tensor_fn", "preprocess_done"}
+    assert not _on_hook_manager()
+    out.pow(2).sum().backward()
+    assert max_rel_err(full_grads(engine), [g / 4 for g in plain]) < 1e-6
     engine.zero_grad()
 
 

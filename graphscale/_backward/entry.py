@@ -74,7 +74,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -85,7 +85,7 @@ from . import python_route as _python_route
 from . import route as _route
 from .call import ORIGINAL_BACKWARD, BackwardCall
 
-__all__ = ["governed_backward", "patch", "govern"]
+__all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
 
 
 # ---------------------------------------------------------------- the patch
@@ -97,8 +97,13 @@ __all__ = ["governed_backward", "patch", "govern"]
 # from it; so torch.autograd.backward goes back to the original only once no
 # top-level governed backward runs: at remove() if none does, else when the
 # last one ends.
+# What an adapter put in place for governed backwards comes off with the
+# patch (when_unpatched: DeepSpeed's hook-manager descriptors), so that a
+# process where graphscale was installed and removed runs as one where it
+# never was.
 _patch_lock = threading.Lock()
 _top_level_running = 0
+_when_unpatched: list[Callable[[], None]] = []
 
 
 def patch(on: bool) -> None:
@@ -108,7 +113,26 @@ def patch(on: bool) -> None:
         if on:
             torch.autograd.backward = governed_backward
         elif _top_level_running == 0 and torch.autograd.backward is governed_backward:
-            torch.autograd.backward = ORIGINAL_BACKWARD
+            _unpatch()
+
+
+def patched() -> bool:
+    """Whether ``torch.autograd.backward`` is the governed one now."""
+    return torch.autograd.backward is governed_backward
+
+
+def when_unpatched(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` each time ``torch.autograd.backward`` goes back to the
+    original (under the patch's lock: ``fn`` must not take it)."""
+    with _patch_lock:
+        if fn not in _when_unpatched:
+            _when_unpatched.append(fn)
+
+
+def _unpatch() -> None:
+    torch.autograd.backward = ORIGINAL_BACKWARD
+    for fn in _when_unpatched:
+        fn()
 
 
 def _enter() -> None:
@@ -123,7 +147,7 @@ def _leave() -> None:
         _top_level_running -= 1
         if (_top_level_running == 0 and _snapshot.installed is None
                 and torch.autograd.backward is governed_backward):
-            torch.autograd.backward = ORIGINAL_BACKWARD
+            _unpatch()
 
 
 # ---------------------------------------------------------------- the backward

@@ -19,17 +19,15 @@ reads ``sys.modules``, never imports deepspeed.
 #     hook time from its instance attribute preprocess_per_tensor_fn.  Once an
 #     engine is installed, a data descriptor of that name sits on DeepSpeed's
 #     OutputBackwardHookManager class (data descriptors come before instance
-#     attributes) and hands every engine's hook a function that passes the
-#     gradient through when the running backward's snapshot governs the
-#     engine (NOTE [ Which snapshot an output hook obeys ] in _backward/running.py) and
-#     calls DeepSpeed's otherwise.  Managers made before install, while
-#     installed and after are all covered, with no search of the heap
-#     (install costs the same in a process of any size); an output made while
-#     installed and backpropagated after remove(), or in an ungoverned
-#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was
-#     governed when it started stays governed if remove() runs inside it.
-#     The descriptor stays once put (a backward may outlive the last
-#     remove()); for engines no backward governs it changes nothing;
+#     attributes): inside a backward whose snapshot governs the engine (NOTE [ Which snapshot
+#     an output hook obeys ] in _backward/running.py) that engine's hook reads it as None, so
+#     DeepSpeed's hook passes the gradient on without calling it; everywhere else it reads
+#     DeepSpeed's function.  Managers made before install, while installed and after are all
+#     covered, with no search of the heap (install costs the same in a process of any size); an
+#     output made while installed and backpropagated after remove(), or in an ungoverned
+#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was governed when it
+#     started stays governed if remove() runs inside it.  The descriptors come off with
+#     graphscale's patch of torch.autograd.backward (hooks.py redirect_off);
 #   * the loss division: engine.backward is shadowed by a function that calls
 #     DeepSpeed's with scale_wrt_gas=False inside _running.engine_backward(...),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
@@ -96,7 +94,6 @@ reads ``sys.modules``, never imports deepspeed.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import torch
@@ -107,14 +104,13 @@ from ..._core.errors import GraphscaleError
 from ..._core.observation import laps
 from .checks import check_engine
 from .failed import end_failed_backward, refuse_next
-from .hooks import PROLOGUE, SHADOWED, redirect_on
+from .hooks import PROLOGUE, SHADOWED, redirect_off, redirect_on
 from .hooks import attached as _attached
+from .hooks import lock as _lock
+from .hooks import observed as _observed
 from .reads import is_zero_optimizer, scale_reader
 
 __all__ = ["attach", "observe", "after_epilogue"]
-
-_lock = threading.Lock()
-
 
 class _EngineAdapter:
     """Switches one engine's loss division off while it is installed
@@ -300,6 +296,7 @@ def observe(engine: Any) -> Callable[[], None]:
             raise GraphscaleError("graphscale.diagnose: this engine's backward is already replaced on the "
                                   "instance (another diagnosis, or another tool); diagnose it once.")
         redirect_on()
+        _observed.add(id(engine))
         cls = type(engine)
         deepspeeds_backward = cls.backward.__get__(engine, cls)
 
@@ -315,8 +312,11 @@ def observe(engine: Any) -> Callable[[], None]:
         engine.backward = backward
 
     def undo() -> None:
-        if engine.__dict__.get("backward") is backward:
-            del engine.__dict__["backward"]
+        with _lock:
+            if engine.__dict__.get("backward") is backward:
+                del engine.__dict__["backward"]
+                _observed.discard(id(engine))
+                redirect_off()
 
     return undo
 
@@ -344,5 +344,6 @@ def attach(engine: Any) -> Callable[[], None]:
             if adapter.refs == 0:
                 adapter.disable()
                 del _attached[id(engine)]
+                redirect_off()
 
     return detach
