@@ -306,6 +306,7 @@ struct NativePlan {
     return out;
   }
 };
+using PlanPtr = std::shared_ptr<NativePlan>;  // how a plan is held (RunningEntry, Apply, Python)
 
 // What one plan is asked: graphscale/_core/request.py PlanRequest, in C++ terms.
 struct Request {
@@ -1133,29 +1134,34 @@ class BindHook : public torch::autograd::FunctionPreHook {
 // innermost last (NOTE [ One running state, both routes ]).  `plan` is null
 // for a Python route's Python plan (past 64 factors: asked through
 // phi_of).  Changed and read with the GIL held only.
+//
+// A natively governed backward registers its plan as a C++ object only: no
+// Python object is made for it (making and freeing one cost about as much as
+// planning a reentrant checkpoint's block, measured); running_entries()
+// wraps one for Python when asked.
 struct RunningEntry {
-  const NativePlan* plan;
-  PyObject* plan_obj;  // strong
+  PlanPtr plan;        // null for a Python route's Python plan
+  PyObject* plan_obj;  // strong; null for a native plan registered without a Python object
   PyObject* reading;   // strong
   uint64_t token;
 };
 static std::vector<RunningEntry> native_running;
 static uint64_t next_token = 1;
 
-static uint64_t push_running(py::object plan_obj, py::object reading) {
-  const NativePlan* p = py::isinstance<NativePlan>(plan_obj) ? plan_obj.cast<const NativePlan*>() : nullptr;
+static uint64_t push_running(PlanPtr plan, py::object plan_obj, py::object reading) {
   const uint64_t token = next_token++;
-  native_running.push_back(RunningEntry{p, plan_obj.release().ptr(), reading.release().ptr(), token});
+  native_running.push_back(RunningEntry{std::move(plan), plan_obj.release().ptr(), reading.release().ptr(), token});
   return token;
 }
 
 static void pop_running(uint64_t token) {
   for (size_t i = native_running.size(); i-- > 0;)
     if (native_running[i].token == token) {
+      PlanPtr plan = std::move(native_running[i].plan);  // freed last: freeing may run Python
       PyObject* plan_obj = native_running[i].plan_obj;
       PyObject* reading = native_running[i].reading;
       native_running.erase(native_running.begin() + static_cast<std::ptrdiff_t>(i));
-      Py_DECREF(plan_obj);
+      Py_XDECREF(plan_obj);
       Py_DECREF(reading);
       return;
     }
@@ -1165,7 +1171,7 @@ static void pop_running(uint64_t token) {
 static py::list running_entries() {
   py::list out;
   for (const auto& e : native_running)
-    out.append(py::make_tuple(py::reinterpret_borrow<py::object>(e.plan_obj),
+    out.append(py::make_tuple(e.plan_obj != nullptr ? py::reinterpret_borrow<py::object>(e.plan_obj) : py::cast(e.plan),
                               py::reinterpret_borrow<py::object>(e.reading)));
   return out;
 }
@@ -1179,9 +1185,9 @@ struct Enclosing {
   py::object reading;                 // kPlan, kBound
   double phi = 1.0;                   // the potential everything nested carries
   const Binding* binding = nullptr;   // kBound (alive while `keep` is)
-  py::object keep;                    // the entry's plan object, or the binding
-  std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first
-  std::vector<py::object> alive;  // their plan objects: alive while a hint may run Python (and another thread)
+  py::object keep;                    // the binding (kBound)
+  std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first (the kPlan one too)
+  std::vector<PlanPtr> alive;  // their owners: alive while a hint may run Python (and another thread)
 };
 
 // The one nested-plan lookup (NOTE [ One running state, both routes ]).
@@ -1193,8 +1199,8 @@ static Enclosing find_enclosing(Node* node) {
   out.alive.reserve(native_running.size());
   for (size_t k = native_running.size(); k-- > 0;)
     if (native_running[k].plan != nullptr) {
-      out.outer_plans.push_back(native_running[k].plan);
-      out.alive.push_back(py::reinterpret_borrow<py::object>(native_running[k].plan_obj));
+      out.outer_plans.push_back(native_running[k].plan.get());
+      out.alive.push_back(native_running[k].plan);
     }
   for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
     if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
@@ -1208,10 +1214,9 @@ static Enclosing find_enclosing(Node* node) {
     const int64_t i = e.plan->index.get(node);
     if (i < 0) continue;
     out.kind = Enclosing::kPlan;
-    out.plan = e.plan;
+    out.plan = e.plan.get();  // (kept by out.alive)
     out.phi = e.plan->phi_disc[i];
     out.reading = py::reinterpret_borrow<py::object>(e.reading);
-    out.keep = py::reinterpret_borrow<py::object>(e.plan_obj);
     return out;
   }
   PyObject* bound = current_binding();
@@ -1393,12 +1398,12 @@ struct Roots {
 };
 
 // Everything but the decision: seeds, hooks, registration, binding, the
-// original backward.  `plan_obj`: the NativePlan (None unless planned);
+// original backward.  `plan_owner`: the NativePlan (null unless planned);
 // `binding`: the task's Binding (None: not bound).
 struct Apply {
   Roots call;
   py::object reading;
-  py::object plan_obj;
+  PlanPtr plan_owner;
   NativePlan* plan = nullptr;
   std::vector<double> mults;  // per root
   py::object binding = py::none();
@@ -1431,7 +1436,7 @@ static void run_applied(Apply& a, Outcome* oc) {
       undo.keep.push_back(node->getptr());
       undo.posts.emplace_back(node, node->add_post_hook(std::make_unique<ScaleHook>(P.hook_mults[h], undo.hook_ns)));
     }
-    undo.token = push_running(a.plan_obj, a.reading);
+    undo.token = push_running(a.plan_owner, py::object(), a.reading);
   }
   oc->ns[2] = ns_since(t0);
   t0 = Clock_::now();
@@ -1465,8 +1470,8 @@ static bool plan_into(Apply& a, const Request& req, py::object gov_obj, Outcome*
   }
   P.leaf_roots = std::move(a.call.leaf_roots);
   P.governor = gov_obj;
-  a.plan_obj = py::cast(std::move(P));
-  a.plan = a.plan_obj.cast<NativePlan*>();
+  a.plan_owner = std::make_shared<NativePlan>(std::move(P));
+  a.plan = a.plan_owner.get();
   oc->nodes = a.plan->num_nodes;
   return true;
 }
@@ -1535,7 +1540,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
       for (size_t r = 0; r < carries.size(); ++r) a.mults[r] = P.seeds[r] * P.base / carries[r];
     } else {
       a.plan = nullptr;
-      a.plan_obj = py::none();
+      a.plan_owner.reset();
     }
   }
   if (a.mults.empty()) a.mults.assign(roots.size(), 1.0);
@@ -1548,7 +1553,7 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
     int64_t seed_mults = 0;
     for (double s : P.seeds) seed_mults += s != 1.0;
     oc.multiplications = P.multiplications - seed_mults + scaled;
-    if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(a.plan_obj);
+    if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(py::cast(a.plan_owner));
   } else {
     oc.multiplications = scaled;
   }
@@ -1631,7 +1636,7 @@ static py::object nested_plan(py::handle current, const py::tuple& roots) {
   NativePlan P = plan_core(roots, call.nodes, nested_request(e, &gov_obj));
   P.leaf_roots = std::move(call.leaf_roots);
   P.governor = gov_obj;
-  return py::make_tuple(e.reading, py::cast(std::move(P)));
+  return py::make_tuple(e.reading, py::cast(std::make_shared<NativePlan>(std::move(P))));
 }
 
 // A graph task's binding for the Python route and the tools
@@ -1667,7 +1672,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: the test build (tests/_seams.py) may be loaded beside this one.
   py::class_<Owners>(m, "Owners", py::module_local())
       .def(py::init<const std::vector<uintptr_t>&, const std::vector<int>&>());
-  py::class_<NativePlan>(m, "NativePlan", py::module_local())
+  py::class_<NativePlan, PlanPtr>(m, "NativePlan", py::module_local())
       .def_readonly("seeds", &NativePlan::seeds)
       .def_readonly("num_nodes", &NativePlan::num_nodes)
       .def_readonly("multiplications", &NativePlan::multiplications)
@@ -1706,7 +1711,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("binding", &make_binding);
   m.def("running_plan", [](py::object plan, py::object reading) {
     RunningPlan r;
-    r.token = push_running(std::move(plan), std::move(reading));
+    PlanPtr native = py::isinstance<NativePlan>(plan) ? plan.cast<PlanPtr>() : nullptr;
+    r.token = push_running(std::move(native), std::move(plan), std::move(reading));
     return r;
   });
   m.def("running", &running_entries);
