@@ -1,6 +1,6 @@
 """DeepSpeed alone under compiled autograd, in a fresh interpreter (no
-graphscale imported: its DeepSpeed descriptors, once put, stay on the hook
-manager's class and change what dynamo traces): run by
+graphscale imported: nothing of it, not even what an earlier test installed
+and removed, can be in what dynamo traces or caches): run by
 tests/test_compiled_autograd.py as ``python _ca_alone.py CASES STEPS``.
 Prints one JSON line: per case, whether STEPS micro-steps with step() ran,
 DeepSpeed's error, and compiled autograd's captures after each micro-step."""
