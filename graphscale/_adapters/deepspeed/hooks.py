@@ -144,8 +144,15 @@ def redirect_off() -> None:
 
 
 def _unpatched() -> None:
-    with lock:
-        redirect_off()
+    # Under the patch's lock: never wait for this module's (an attach holding it may run a check's
+    # backward, which takes the patch's lock).  Whoever holds it attaches (the descriptors are
+    # wanted) or detaches (and takes them off itself unless it saw the patch still on: then they
+    # stay until the next removal, handing DeepSpeed's own values through, as before d6e51bd).
+    if lock.acquire(blocking=False):
+        try:
+            redirect_off()
+        finally:
+            lock.release()
 
 
 def redirect_on() -> None:
