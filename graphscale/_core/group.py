@@ -94,12 +94,10 @@ def _read(spec: Callable[[], Any], what: str, group: str) -> Any:
     try:
         return spec()
     except Exception as exc:
-        raise _raised(exc, what, group) from exc
-
-
-def _raised(exc: Exception, what: str, group: str) -> GraphscaleError:
-    return GraphscaleError(f"graphscale: the {what} callable of group {group!r} raised "
-                           f"{type(exc).__name__}: {exc}. No gradient was touched.")
+        raise GraphscaleError(
+            f"graphscale: the {what} callable of group {group!r} raised "
+            f"{type(exc).__name__}: {exc}. No gradient was touched."
+        ) from exc
 
 
 def _named_leaves(module_or_params: Any) -> tuple[list[tuple[str, torch.Tensor]], str]:
@@ -267,19 +265,7 @@ class Group:
         (1 when ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``),
         times the loss scale an adapter's group reads (an fp16 engine's:
         ``_scale``, a callable the adapter set, or None)."""
-        spec = self._gas
-        if not scaling:
-            f = 1.0
-        elif self._factor is None and callable(spec) and getattr(_frame, "reads", None) is None:
-            try:  # the usual group (an engine's): read_spec's gas branch, inline (once per group and backward)
-                value = spec()
-            except Exception as exc:
-                raise _raised(exc, "gas", self.name) from exc
-            if not (type(value) is int and value >= 1):
-                value = _check_gas_value(value, f"the gas callable of group {self.name!r}")
-            f = 1.0 / value
-        else:
-            f = self.factor()
+        f = self.factor() if scaling else 1.0
         scale = self._scale
         return f if scale is None else f * float(scale())
 
