@@ -377,6 +377,42 @@ def test_mixed_graph_unowned_leaves_get_what_the_policy_says(case: str, unowned:
     assert params and all((t := plain[k]) is not None and bool(torch.count_nonzero(t)) for k in params)
 
 
+@pytest.mark.parametrize("flagged", [True, False])
+@pytest.mark.parametrize("gas", [(2,), (2, 4)], ids=["probe", "plan"])
+@pytest.mark.parametrize("route", ["native", "python"])
+def test_a_tensor_flagged_is_param_is_an_unowned_parameter(route: str, gas: tuple[int, ...], flagged: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``isinstance(t, nn.Parameter)`` is True for a plain tensor with
+    ``_is_param`` set (torch's Parameter metaclass): under the default policy
+    such an unowned leaf gets exactly its plain gradient, on both routes, in
+    the fast path's probe (one factor) and in a walked plan (two factors).
+    Unflagged, the same leaf is an input and takes a factor in play, so the
+    test reads the flag (the native walker reads it from the tensor's dict)."""
+    from graphscale import _native, observe
+    from graphscale._backward import route as _route
+
+    if route == "python":
+        monkeypatch.setattr(_route, "enabled", False)
+    elif _native.loaded() is None or not _route.enabled:
+        pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
+    mods = [_linear(40 + k) for k in range(len(gas))]
+    w = torch.randn(4, 1, generator=torch.Generator().manual_seed(41)).requires_grad_()
+    if flagged:
+        w._is_param = True  # type: ignore[attr-defined]
+    assert isinstance(w, nn.Parameter) is flagged and type(w) is torch.Tensor
+    x = _data(42)
+    plain = 2 * x.sum(0, keepdim=True).T  # d/dw of (x @ w).sum() * 2
+    seen: list[str] = []
+    with graphscale.install(*(graphscale.Group(m, gas=g) for m, g in zip(mods, gas))):
+        with observe.routes(lambda r, reason: seen.append(r)):
+            (sum(m(x).sum() for m in mods) + (x @ w).sum() * 2).backward()
+    assert seen == [route]
+    if flagged:
+        assert torch.equal(_grad(w), plain), f"w.grad {w.grad}, plain {plain}"
+    else:
+        assert not torch.equal(_grad(w), plain) and any(torch.allclose(_grad(w), plain / g) for g in gas)
+
+
 # engines: unowned u beside an installed engine A (GAS 4), in one loss
 ENGINE_MIXED_STYLES = {
     "loss.backward": lambda engine, loss: loss.backward(),

@@ -186,8 +186,9 @@ bool is_parameter(const at::Tensor& var, py::handle param_type) {
   if (!isparam) {
     // The flag lives in the instance dict (Parameter's metaclass reads it so);
     // read there, no AttributeError is raised and cleared for a plain tensor.
+    static PyObject* key = PyUnicode_InternFromString("_is_param");  // not a new string per call
     PyObject** dictptr = _PyObject_GetDictPtr(obj);
-    PyObject* flag = (dictptr != nullptr && *dictptr != nullptr) ? PyDict_GetItemString(*dictptr, "_is_param") : nullptr;
+    PyObject* flag = (dictptr != nullptr && *dictptr != nullptr) ? PyDict_GetItemWithError(*dictptr, key) : nullptr;
     if (flag != nullptr) isparam = PyObject_IsTrue(flag) == 1;
     PyErr_Clear();
   }
