@@ -52,6 +52,18 @@ def _native_walker_ready() -> None:
         _native.wait()
 
 
+def native_route_or_skip() -> Any:
+    """The native module, where the native route governs backwards here;
+    else the test is skipped (GRAPHSCALE_ROUTE=python, or no native walker)."""
+    from graphscale import _native
+    from graphscale._backward import route as _route
+
+    native = _native.wait()
+    if native is None or not _route.enabled:
+        pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
+    return native
+
+
 @pytest.fixture
 def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every backward of the test takes the Python route (``graphscale/_backward/route.py``):

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import native_route_or_skip
 
 import graphscale
-from graphscale import _native
 from graphscale._backward import call as _call
 from graphscale._backward import entry as _entry
 from graphscale._backward import route as _route
@@ -104,8 +104,7 @@ def _groups() -> tuple[tuple[graphscale.Group, ...], torch.nn.Module, torch.nn.M
 
 @pytest.fixture
 def native_route() -> None:
-    if _native.wait() is None or not _route.enabled:
-        pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
+    native_route_or_skip()
 
 
 @pytest.mark.parametrize("shape", ["mixed", "fast path", "nested engine boundary"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import max_rel_err
+from conftest import max_rel_err, native_route_or_skip
 
 import graphscale
 from graphscale import _native, observe
@@ -22,13 +22,6 @@ def _pair() -> tuple[tuple[graphscale.Group, graphscale.Group], torch.nn.Module,
     torch.manual_seed(0)
     a, b = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
     return (graphscale.Group(a, gas=2, name="a"), graphscale.Group(b, gas=4, name="b")), a, b
-
-
-def _native_route() -> Any:
-    native = _native.loaded()
-    if native is None or not _route.enabled:
-        pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
-    return native
 
 
 def test_every_governed_backward_says_its_route_and_a_decline_its_reason() -> None:
@@ -52,7 +45,7 @@ def test_every_governed_backward_says_its_route_and_a_decline_its_reason() -> No
 
 
 def test_the_debug_log_changes_no_route_and_both_routes_write_it(caplog: pytest.LogCaptureFixture) -> None:
-    _native_route()
+    native_route_or_skip()
     groups, a, b = _pair()
     seen: list[Any] = []
     x = torch.randn(4, 3)
@@ -90,7 +83,7 @@ class _Skewed:
 
 
 def test_the_self_test_passes_on_this_torch_and_needs_the_patch_for_its_nested_backward() -> None:
-    native = _native_route()
+    native = native_route_or_skip()
     groups, _, _ = _pair()
     with graphscale.install(*groups):  # (install runs it; here it reads the verdict)
         assert _route.self_test(native) and _route.trusted(native)
@@ -100,7 +93,7 @@ def test_the_self_test_passes_on_this_torch_and_needs_the_patch_for_its_nested_b
 def test_a_native_route_giving_a_wrong_factor_fails_its_self_test_with_one_warning_and_every_backward_goes_python(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    native = _native_route()
+    native = native_route_or_skip()
     skewed = _Skewed(native)
     monkeypatch.setattr(_route, "_verdicts", dict(_route._verdicts))  # this test's verdicts go with it
     said = rf"self-test on torch {re.escape(torch.__version__)} \(a planned backward, native route: a.weight"

@@ -42,7 +42,7 @@ import _untouched
 import pytest
 import torch
 from _ranks import free_port, rank_results, run_ranks
-from conftest import HAVE_DEEPSPEED, full_grads, grad_mismatches, max_rel_err, require_deepspeed
+from conftest import HAVE_DEEPSPEED, full_grads, grad_mismatches, max_rel_err, native_route_or_skip, require_deepspeed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -388,13 +388,13 @@ def test_a_tensor_flagged_is_param_is_an_unowned_parameter(route: str, gas: tupl
     the fast path's probe (one factor) and in a walked plan (two factors).
     Unflagged, the same leaf is an input and takes a factor in play, so the
     test reads the flag (the native walker reads it from the tensor's dict)."""
-    from graphscale import _native, observe
+    from graphscale import observe
     from graphscale._backward import route as _route
 
     if route == "python":
         monkeypatch.setattr(_route, "enabled", False)
-    elif _native.loaded() is None or not _route.enabled:
-        pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
+    else:
+        native_route_or_skip()
     mods = [_linear(40 + k) for k in range(len(gas))]
     w = torch.randn(4, 1, generator=torch.Generator().manual_seed(41)).requires_grad_()
     if flagged:
