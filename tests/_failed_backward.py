@@ -1,4 +1,4 @@
-"""Issue 31: a backward that raises, then a retry, then training on: the
+"""Issues 31 and 37: a backward that raises, then a retry, then training on: the
 worker that tests/test_failed_backward.py spawns once per world size
 (``python tests/_failed_backward.py``, with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set), and the plain-PyTorch oracle it checks against.
@@ -11,7 +11,10 @@ boundary) the first backward raises, from ``where``:
   (DeepSpeed's own ``test_recompute_forward_exception_unwinds_for_clean_retry``);
 * ``recompute_reentrant``: the same in a reentrant checkpoint (a nested backward);
 * ``module_backward``: a custom autograd Function's backward;
-* ``user_hook``: a tensor hook the user registered on an activation.
+* ``user_hook``: a tensor hook the user registered on an activation;
+* ``after_head``: a custom autograd Function's backward on the model's
+  output, so the backward raises after the engine's part began (its output
+  hook ran DeepSpeed's prologue) and before it reached any of its gradients.
 
 With two engines (an actor and a critic on its output, in one loss), the
 actor fails after the critic's gradients were computed.
@@ -23,13 +26,16 @@ as usual.  Every backward is ``engine.backward(loss)``, or a direct
 retry ``loss.backward()`` as in DeepSpeed's test (``style``), under
 graphscale or DeepSpeed alone.
 
-Oracle, computed in every rank from every rank's data on a plain copy of
-the model: the same forwards and backwards, the failing one included, on a
-model whose ``.grad`` keeps what plain PyTorch leaves there when a backward
-raises (the gradients of the parameters it reached: the head's), summed
-over the window and averaged over ranks; then ``w -= lr * grad / GAS``.
-The result is the weights after ``step()`` against the oracle's, and what
-DeepSpeed left behind right after the failed backward.
+Oracle, the clean control of NOTE [ An aborted backward counts for nothing ]
+(graphscale/_adapters/deepspeed/failed.py), computed in every rank from
+every rank's data on a plain copy of the model: the same window without the
+failed attempt (the retry's batch in its place; a retry over the retained
+graph backpropagates the failed attempt's batch), gradients summed over the
+window and averaged over ranks; then ``w -= lr * grad / GAS``.  The result
+is the weights after ``step()`` against the oracle's, or the error that
+stopped the window and the call that raised it (``at``: ``forward``,
+``backward`` or ``step``), and what DeepSpeed left behind right after the
+failed backward.
 
 Importing this module needs only torch; the worker imports deepspeed.
 """
@@ -48,10 +54,10 @@ STAGES = (1, 2, 3)
 # mixed: engine.backward fails, loss.backward retries; retained: loss.backward(retain_graph=True) fails, and
 # the retry is loss.backward() over the same graph (no new forward)
 STYLES = ("engine.backward", "loss.backward", "mixed", "retained")
-WHERES = ("recompute", "recompute_reentrant", "module_backward", "user_hook")
+WHERES = ("recompute", "recompute_reentrant", "module_backward", "user_hook", "after_head")
 FAIL_AT = (0, 1)
 MODES = ("graphscale", "deepspeed_alone")
-TWO_ENGINE_WHERES = ("recompute", "user_hook")  # actor + critic in one loss: under graphscale only
+TWO_ENGINE_WHERES = ("recompute", "user_hook", "after_head")  # actor + critic in one loss: under graphscale only
 GAS = 2
 LR = 0.1
 
@@ -110,7 +116,8 @@ class Net(torch.nn.Module):
                 return grad
 
             h.register_hook(hook)
-        return self.head(h)
+        out = self.head(h)
+        return _RaiseInBackward.apply(out, self.control) if self.where == "after_head" else out
 
 
 def _data(rank: int, step: int, attempt: int) -> torch.Tensor:
@@ -157,7 +164,7 @@ def _forward(mods: list[Any], x: torch.Tensor) -> torch.Tensor:
 
 
 def oracle(where: str, fail_at: int, world: int, engines: int = 1, style: str = "") -> list[torch.Tensor]:
-    """The weights after one window on plain PyTorch (module docstring)."""
+    """The weights after one window on plain PyTorch, as if the failed attempt never ran (module docstring)."""
     mods = models(where, engines)
     params = [p for m in mods for p in m.parameters()]
     total = [torch.zeros_like(p) for p in params]
@@ -165,17 +172,8 @@ def oracle(where: str, fail_at: int, world: int, engines: int = 1, style: str = 
         for m in mods:
             m.zero_grad(set_to_none=True)
         for step in range(GAS):
-            kept: dict[int, torch.Tensor] = {}
-
-            def fb(attempt: int, r: int = r, step: int = step, kept: dict[int, torch.Tensor] = kept) -> None:
-                if style == "retained" and attempt == 1 and kept:
-                    kept.pop(0).backward()  # over the failed backward's graph
-                    return
-                loss = _loss(_forward(mods, _data(r, step, attempt)))
-                if style == "retained" and attempt == 0:
-                    kept[0] = loss
-                loss.backward(retain_graph=style == "retained" and attempt == 0)
-            assert _fail_then_retry(fb, mods[0].control, step, fail_at) == 1 or step != fail_at
+            attempt = 0 if style == "retained" and step == fail_at else 1  # the batch the window's backward used
+            _loss(_forward(mods, _data(r, step, attempt))).backward()
         for t, p in zip(total, params):
             if p.grad is not None:
                 t.add_(p.grad)
@@ -227,10 +225,13 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
             kept: dict[int, torch.Tensor] = {}
 
             def fb(attempt: int, step: int = step, kept: dict[int, torch.Tensor] = kept) -> None:
+                out["at"] = "backward"
                 if style == "retained" and attempt == 1 and kept:
                     kept.pop(0).backward()  # over the failed backward's graph
                     return
+                out["at"] = "forward"
                 loss = _loss(_forward(eng, _data(rank, step, attempt)))
+                out["at"] = "backward"
                 if style == "engine.backward" or (style == "mixed" and attempt == 0):
                     engine.backward(loss)
                 elif style == "retained" and attempt == 0:
@@ -246,12 +247,14 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
                 return out
             if step == fail_at:
                 out["raised"] = raised
+            out["at"] = "step"
             try:
                 for e in eng:
                     e.step()
             except Exception as exc:
                 out["error"] = f"step() after micro-step {step}: {type(exc).__name__}: {str(exc)[:300]}"
                 return out
+        del out["at"]
         got = [safe_get_full_fp32_param(p).detach().float().clone() for e in eng for p in e.module.parameters()]
         out["weights"] = max(((g - w).abs().max() / (w.abs().max() or 1.0)).item() for g, w in zip(got, want))
     finally:

@@ -115,7 +115,7 @@ class _DeepSpeedAdapter(_registry.Adapter):
         return EngineGroup if is_engine(obj) else None
 
     def attach(self, group: Any) -> Callable[[], None] | None:
-        return attach(group.engine) if isinstance(group, EngineGroup) else None
+        return attach(group.engine, group.name) if isinstance(group, EngineGroup) else None
 
     def observe(self, group: Any) -> Callable[[], None] | None:
         return observe(group.engine) if isinstance(group, EngineGroup) else None

@@ -103,7 +103,8 @@ from ..._backward.frames import CARRIES_ATTR, compiled_autograd_active, engine_b
 from ..._core.errors import GraphscaleError
 from ..._core.observation import laps
 from .checks import check_engine
-from .failed import end_failed_backward, refuse_next
+from .compiled import refuse_compiled_autograd
+from .failed import Attempt, Drains, begin, deepspeed_recovers, discard, fail_closed, refuse_next
 from .hooks import PROLOGUE, SHADOWED, redirect_off, redirect_on
 from .hooks import attached as _attached
 from .hooks import lock as _lock
@@ -117,14 +118,18 @@ class _EngineAdapter:
     (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ]).
 
     ``open``: a governed prologue of this engine ran and its epilogue has not
-    yet; ``broken``: what ending a failed backward raised (NOTE [ Ending a
-    failed ZeRO backward ] in _adapters/deepspeed/failed.py), else None; ``ended``:
-    graphscale ended a failed backward and no governed prologue ran since."""
+    yet; ``attempt``: that backward's start (NOTE [ An aborted backward counts
+    for nothing ] in _adapters/deepspeed/failed.py); ``window``: DeepSpeed's
+    global step at this engine's last completed epilogue (one in this
+    accumulation window while it still equals the engine's); ``dead``: why the
+    engine fails closed, else None; ``ended``: graphscale discarded a failed
+    backward and no governed prologue ran since."""
 
-    broken: str | None
+    dead: str | None
+    attempt: Attempt | None
 
-    def __init__(self, engine: Any) -> None:
-        self.refs, self.active, self.engine = 0, False, engine
+    def __init__(self, engine: Any, name: str) -> None:
+        self.refs, self.active, self.engine, self.name = 0, False, engine, name
         cls = type(engine)
         deepspeeds_backward = cls.backward.__get__(engine, cls)
         deepspeeds_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
@@ -138,7 +143,8 @@ class _EngineAdapter:
             )
         deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
         self.deepspeeds_prologue = cls._backward_prologue.__get__(engine, cls)
-        self.open, self.broken, self.ended = False, None, False  # (class docstring)
+        self.open, self.dead, self.ended, self.attempt, self.window = False, None, False, None, -1  # (docstring)
+        self.drains: Drains | None = None  # while enabled, on a DeepSpeed without its own recovery
         adapter = self
 
         self.after_epilogue: list[Callable[[], None]] = []  # run once, after DeepSpeed's next epilogue
@@ -146,6 +152,7 @@ class _EngineAdapter:
         def epilogue() -> None:
             adapter.open = False
             deepspeeds_epilogue()
+            adapter.window = engine.global_steps
             waiting, adapter.after_epilogue = adapter.after_epilogue, []
             for fn in waiting:
                 fn()
@@ -188,23 +195,29 @@ class _EngineAdapter:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
         eagerly under compiled autograd (NOTE [ Under compiled autograd ])."""
         if not compiled_autograd_active():
-            return self.deepspeeds_prologue()
-        if self.active and not getattr(self.engine, "_running_engine_backward", False):
-            refuse_compiled_autograd(self.engine, "graphscale: a direct loss.backward()", direct=True)
-        eager(self.deepspeeds_prologue)()
+            self.deepspeeds_prologue()
+        else:
+            if self.active and not getattr(self.engine, "_running_engine_backward", False):
+                refuse_compiled_autograd(self.engine, "graphscale: a direct loss.backward()", direct=True)
+            eager(self.deepspeeds_prologue)()
+        if self.open and self.drains is not None:  # a governed backward of the engine starts
+            self.attempt = begin(self.engine, self.drains, self.window == self.engine.global_steps)
 
     def prologue_starts(self, on_failure: list[Callable[[], None]]) -> None:
         """A governed backward runs this engine's prologue now (NOTE [ One
         lifecycle per backward ]); ``on_failure``: that backward's list of
         NOTE [ A backward that raised ] (in _backward/frames.py), which gets
-        :meth:`backward_failed`.  First take back the ZeRO backward depth of a
-        governed prologue whose backward ended without its epilogue (where
-        :meth:`backward_failed` could not run it)."""
+        :meth:`backward_failed`.  Refused where the engine fails closed; first
+        take back the ZeRO backward depth of a governed prologue whose
+        backward ended without its epilogue (where :meth:`backward_failed`
+        could not run it)."""
         engine = self.engine
-        if self.ended or self.broken is not None:  # after graphscale ended a failed backward
+        if self.dead is not None:
+            fail_closed(engine, self.name, self.dead)()
+        if self.ended:  # after graphscale discarded a failed backward
             self.ended = False
-            refuse_next(engine, self.broken)  # (every time, once ending one raised)
-        if self.open:
+            refuse_next(engine)
+        if self.open and self.drains is not None:
             opt: Any = getattr(engine, "optimizer", None)
             if is_zero_optimizer(opt) and opt._backward_active_depth > 0:
                 opt.exit_backward()
@@ -217,17 +230,30 @@ class _EngineAdapter:
 
     def backward_failed(self) -> None:
         """NOTE [ A backward that raised ] in _backward/frames.py: the governed backward
-        that ran this engine's prologue raised before its epilogue; end it now
-        (NOTE [ Ending a failed ZeRO backward ] in _adapters/deepspeed/failed.py)."""
-        if self.open:  # (else the epilogue ran: the error came after it)
-            self.open, self.ended = False, True
-            try:
-                end_failed_backward(self.engine, self.epilogue)
-            except Exception as err:  # becomes a note on the user's error (_backward/frames.py)
-                self.broken = f"{type(err).__name__}: {err}"
-                raise
+        that ran this engine's prologue raised before its epilogue; discard its
+        part, or make the engine fail closed (NOTE [ An aborted backward counts
+        for nothing ] in _adapters/deepspeed/failed.py)."""
+        if not self.open or self.drains is None:  # (the epilogue ran; or DeepSpeed recovers by itself)
+            self.open = False
+            return
+        self.open, self.ended, attempt, self.attempt = False, True, self.attempt, None
+        try:
+            why = discard(self.engine, attempt, self.drains)
+        except Exception as err:  # becomes a note on the user's error (_backward/frames.py)
+            self.die(f"discarding it raised {type(err).__name__}: {err}")
+            raise
+        if why is not None:
+            self.die(why)
+
+    def die(self, why: str) -> None:
+        """Fail closed: the engine's forward and step() raise, as its next governed backward does."""
+        self.dead = why
+        self.engine.forward = self.engine.step = fail_closed(self.engine, self.name, why)
 
     def enable(self) -> None:
+        opt = getattr(self.engine, "optimizer", None)
+        if self.drains is None and not deepspeed_recovers(opt):
+            self.drains = Drains(opt)
         self.engine.backward = self.backward
         self.engine._backward_epilogue = self.epilogue
         self.engine._backward_prologue = self.prologue
@@ -237,35 +263,11 @@ class _EngineAdapter:
 
     def disable(self) -> None:
         self.active = False
+        if self.drains is not None:
+            self.drains.undo()
+            self.drains = None
         for name in SHADOWED:
             self.engine.__dict__.pop(name, None)
-
-
-def refuse_compiled_autograd(engine: Any, where: str, direct: bool = False) -> None:
-    """NOTE [ Under compiled autograd ]: what fails there in DeepSpeed alone is
-    refused before the engine's part of the backward runs, with the reason."""
-    switch = getattr(engine, "_is_compiled_autograd_enabled", False)
-    if not (direct or switch or compiled_autograd_active()):
-        return
-    stage = engine.zero_optimization_stage()
-    if direct:
-        why = ("DeepSpeed's post-backward epilogue, which a direct backward queues with queue_callback, does not run "
-               "under compiled autograd, so the gradients are never reduced (DeepSpeed 0.19.8 alone: KeyError: 0 in "
-               "step(), measured at ZeRO 1 and 2).  Fix: call engine.backward(loss), which runs the epilogue itself")
-    elif stage == 3:
-        why = ("DeepSpeed 0.19.8 alone fails there mid-backward (compiled autograd's dynamic sizes do not match ZeRO "
-               "3's partitioned parameters: 'AssertionError: 1 != 2', measured).  Fix: leave compiled autograd off "
-               "for this engine (engine.compile() without compiled_autograd_enabled still compiles its forward), "
-               "or use ZeRO 1 or 2")
-    elif stage == 2 and switch:
-        why = ("DeepSpeed 0.19.8 alone fails there mid-backward (dynamo: 'sources must not be empty for symbol', "
-               "measured).  Fix: engine.compile() without compiled_autograd_enabled, torch's own compiled autograd "
-               "around engine.backward (exact at ZeRO 1 and 2), or ZeRO 1")
-    else:
-        return
-    raise GraphscaleError(f"{where} of a ZeRO {stage} engine under compiled autograd "
-                f"({'engine.compile(compiled_autograd_enabled=True)' if switch else 'torch'}): {why}.  "
-                "Nothing of this engine's backward ran.")
 
 
 def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:
@@ -321,14 +323,14 @@ def observe(engine: Any) -> Callable[[], None]:
     return undo
 
 
-def attach(engine: Any) -> Callable[[], None]:
-    """Govern ``engine``; return a function that undoes this once."""
+def attach(engine: Any, name: str) -> Callable[[], None]:
+    """Govern ``engine`` (its group's ``name``); return a function that undoes this once."""
     with _lock:
         adapter = _attached.get(id(engine))
         if adapter is None:
             check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]: before anything is touched
             redirect_on()
-            adapter = _EngineAdapter(engine)
+            adapter = _EngineAdapter(engine, name)
             _attached[id(engine)] = adapter
             adapter.enable()
         adapter.refs += 1

@@ -1,33 +1,53 @@
 """What the DeepSpeed adapter does for an engine whose governed backward
-raised (NOTE [ A backward that raised ] in _backward/frames.py): end the engine's
-part of it, or say why it cannot, and refuse the engine's next backward
-clearly.  Part of the DeepSpeed adapter; reads ``sys.modules``, never
+raised (NOTE [ A backward that raised ] in _backward/frames.py): discard the
+aborted attempt so that its retry is clean, or, where the attempt may already
+have put something permanent into the accumulation window, make the engine
+fail closed.  Part of the DeepSpeed adapter; reads ``sys.modules``, never
 imports deepspeed.
 
-# NOTE [ Ending a failed ZeRO backward ]
-# torch dropped the engine's queued post-backward epilogue, so graphscale
-# runs it (``_backward_epilogue``, graphscale's shadow of it) for the
-# gradients the backward reached, as if the window's boundary were not
-# here (DeepSpeed's override _is_gradient_accumulation_boundary = False for
-# that call): the user retries the micro-step, and the retry is the
-# boundary.  Measured (tests/test_failed_backward.py, DeepSpeed 0.19.5 and
-# 0.19.8, ZeRO 1-3, one and two ranks): the window then trains exactly like
-# plain PyTorch with the same retry; at the boundary, the epilogue run as
-# the boundary lost the reached gradients at ZeRO 1 and 2 (weights off by
-# 15%).  Where the backward reached no gradient of the engine (ZeRO's
-# bucket empty, no parameter marked reduced), ZeRO 2's epilogue itself
-# raises (IndexError in reduce_ipg_grads, measured); there is nothing to
-# reduce, so only the backward depth is taken back.  If the epilogue raises
-# anyway, the engine's ZeRO state is partial in a way graphscale cannot
-# repair: its next governed backward is refused with the reason.  The hook
-# state's "callback queued" mark is cleared too (DeepSpeed's next forward
-# would; a retry over the retained graph, with no forward, queued no
-# epilogue and step() raised KeyError, measured at ZeRO 1 and 2).  ZeRO 3
-# cannot run a second backward over a graph whose backward ran (its
-# partitioned parameters: "The size of tensor a (0) must match ...",
-# measured with and without graphscale), so there a retry over the
-# retained graph, with no forward since the failed backward, is refused
-# with the fix: retry with a new forward.
+# NOTE [ An aborted backward counts for nothing ]
+# torch runs no queued callback of a graph task that raised, so DeepSpeed's
+# post-backward epilogue never runs for it: the engine is left mid-backward
+# (ZeRO's backward depth raised; at ZeRO 2 and 3 the gradients reached so
+# far in the reduction bucket, some perhaps already drained into the
+# window's partitioned gradients; at ZeRO 1 the reached gradients added by
+# torch onto the window's .grad).  Upstream PR 8245's last commit ("Recover
+# or reject aborted ZeRO backward state") set the contract graphscale keeps
+# on every DeepSpeed it supports: the aborted attempt counts for nothing.
+# For each engine whose part of the backward had begun, right when the
+# error leaves the governed backward (so a retry over the retained graph is
+# clean too), graphscale
+#   * decides from what happened during the attempt, measured against a
+#     snapshot taken right after the engine's prologue (:func:`begin`):
+#     a reduction bucket drained during it (counted by a wrapper of the
+#     optimizer's drain, :class:`Drains`), or it reached a gradient (ZeRO's
+#     per-parameter hooks fired) that torch added onto gradients of the
+#     window's earlier micro-steps (ZeRO 1's .grad, an fp32 accumulator; the
+#     window holds an earlier completed backward of this engine:
+#     ``Attempt.earlier``).  Either is permanent: the engine fails closed.
+#     Anything else is not (ZeRO 2 and 3 keep the window's earlier
+#     micro-steps in their partitions, out of the attempt's reach);
+#   * discards the attempt's state either way (:func:`discard`): the
+#     backward depth and the queued-callback mark, the bucket's parameters,
+#     the "already reduced" marks, the reached parameters' unreduced .grad
+#     (all of them where the window holds nothing else there), the bucket
+#     set-up's micro-step count where the attempt made it;
+#   * where permanent, the engine's next forward, step() and governed
+#     backward raise GraphscaleError naming the engine, why, and how to go
+#     on (:func:`fail_closed`).
+# Cleaner than the seed where it knows more: the seed fails closed at ZeRO 1
+# after any earlier completed backward, graphscale only when the attempt
+# reached one of the engine's gradients; and the attempt is discarded at
+# once rather than at the next forward, so step() right after a failure
+# (skipping the micro-step) and a retry over the retained graph are exact.
+# On a DeepSpeed that has this recovery itself (ZeROOptimizer defines
+# _ensure_backward_complete_before_step: PR 8245's head), graphscale leaves
+# the engine exactly as DeepSpeed alone would (:func:`deepspeed_recovers`).
+# ZeRO 3 cannot run a second backward over a graph whose backward ran
+# (partitioned parameters: "The size of tensor a (0) must match ...",
+# measured with and without graphscale), so there a retry over the retained
+# graph, with no forward since the failed backward, is refused with the fix:
+# retry with a new forward.
 """
 from __future__ import annotations
 
@@ -36,61 +56,161 @@ from typing import Any, Callable
 from ..._core.errors import GraphscaleError
 from .reads import is_zero_optimizer
 
-__all__ = ["end_failed_backward", "refuse_next"]
+__all__ = ["Attempt", "Drains", "begin", "deepspeed_recovers", "discard", "fail_closed", "refuse_next"]
 
-_BOUNDARY = "_is_gradient_accumulation_boundary"  # DeepSpeed's override of its micro-step count (None: none)
-
-
-def _holds_nothing(opt: Any) -> bool:
-    """Whether a ZeRO optimizer holds no gradient of the running backward:
-    its reduction buckets empty and no parameter marked reduced."""
-    buckets = getattr(opt, "ipg_buckets", None)
-    if not isinstance(buckets, dict) or any(getattr(b, "params", None) for b in buckets.values()):
-        return False
-    marks = getattr(opt, "params_already_reduced", ())
-    return not any(marks.values() if isinstance(marks, dict) else marks)
+# The optimizer method that drains a reduction bucket, by ZeRO stage's class (stages 1 and 2 share one).
+_DRAIN = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
 
 
-def end_failed_backward(engine: Any, epilogue: Callable[[], None]) -> None:
-    """NOTE [ Ending a failed ZeRO backward ]: run ``epilogue`` (the engine's,
-    as graphscale shadows it) for the failed backward; what it raises goes on."""
-    engine._manual_backward_expected = False  # (what DeepSpeed's post-backward hook clears)
-    opt: Any = getattr(engine, "optimizer", None)
+def deepspeed_recovers(opt: Any) -> bool:
+    """Whether this DeepSpeed discards or rejects an aborted backward itself
+    (PR 8245's "Recover or reject aborted ZeRO backward state")."""
+    return is_zero_optimizer(opt) and callable(getattr(type(opt), "_ensure_backward_complete_before_step", None))
+
+
+class Drains:
+    """Counts the drains of ``opt``'s non-empty reduction buckets while
+    installed (a wrapper of its drain method, shadowed on the instance);
+    ``watched`` is False where this optimizer has no drain graphscale knows
+    (then every reached gradient counts as permanent)."""
+
+    __slots__ = ("count", "watched", "_opt", "_name")
+
+    def __init__(self, opt: Any) -> None:
+        self.count, self._opt = 0, opt
+        name = next((n for n in _DRAIN if callable(getattr(opt, n, None))), None)
+        self.watched, self._name = name is not None and isinstance(getattr(opt, "ipg_buckets", None), dict), name
+        if not self.watched or name is None:
+            return
+        drain, buckets, drains = getattr(opt, name), opt.ipg_buckets, self
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if any(getattr(b, "params", None) for b in buckets.values()):
+                drains.count += 1
+            return drain(*args, **kwargs)
+
+        opt.__dict__[name] = counted
+
+    def undo(self) -> None:
+        if self._name is not None:
+            self._opt.__dict__.pop(self._name, None)
+
+
+class Attempt:
+    """What an engine's governed backward began with, right after DeepSpeed's
+    prologue: ZeRO's hook count, the drain count, whether the buckets were
+    set up, whether this window holds an earlier completed backward."""
+
+    __slots__ = ("fired", "drains", "ready", "earlier")
+
+    def __init__(self, fired: int, drains: int, ready: bool, earlier: bool) -> None:
+        self.fired, self.drains, self.ready, self.earlier = fired, drains, ready, earlier
+
+
+def _fired(opt: Any) -> int:
     state = getattr(opt, "_backward_hook_state", None)
-    if state is not None and hasattr(state, "post_backward_callback_queued"):
-        state.post_backward_callback_queued = False  # the callback torch dropped
-    if is_zero_optimizer(opt) and _holds_nothing(opt):
-        if opt._backward_active_depth > 0:
+    return int(getattr(state, "hooks_fired_this_backward", 0))
+
+
+def begin(engine: Any, drains: Drains, earlier: bool) -> Attempt:
+    """The snapshot :func:`discard` measures the attempt against."""
+    opt = engine.optimizer
+    return Attempt(_fired(opt), drains.count, bool(getattr(opt, "ready_for_gradients", False)), earlier)
+
+
+def _permanent(engine: Any, opt: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
+    """Why the aborted attempt may have changed the window for good, or None."""
+    if attempt is None or drains is None:
+        return "graphscale saw no snapshot of its start"
+    zero = is_zero_optimizer(opt)
+    hooked = zero and bool(getattr(opt, "_grad_acc_hooks", None)) and hasattr(opt, "_backward_hook_state")
+    reached = not hooked or _fired(opt) > attempt.fired  # (unknown without ZeRO's per-parameter hooks: assumed)
+    if zero and drains.watched and drains.count > attempt.drains:
+        return "a reduction bucket was reduced during it, into the window's accumulated gradients"
+    if zero and not drains.watched and reached:
+        return "it reached gradients of a ZeRO optimizer whose reductions graphscale cannot watch"
+    adds_on = not zero or not getattr(opt, "partition_gradients", True) or hasattr(opt, "fp32_groups_has_gradients")
+    if reached and attempt.earlier and (adds_on or getattr(opt, "use_grad_accum_attribute", False)):
+        return "torch added the gradients it reached onto .grad, which holds this window's earlier micro-steps"
+    return None
+
+
+def _clear_grads(engine: Any, opt: Any) -> None:
+    for p in engine.module.parameters():
+        p.grad = None
+        if getattr(p, "grad_accum", None) is not None:
+            p.grad_accum = None
+    for flags in getattr(opt, "fp32_groups_has_gradients", ()):  # bf16's fp32 accumulators
+        for i in range(len(flags)):
+            flags[i] = False
+
+
+def _empty_buckets(opt: Any) -> None:
+    for bucket in getattr(opt, "ipg_buckets", {}).values():
+        (getattr(bucket, "clear_params", None) or bucket.clear)()
+    large = getattr(opt, "extra_large_param_to_reduce", None)
+    if isinstance(large, dict):
+        large.clear()
+    marks = getattr(opt, "params_already_reduced", None)
+    for key in (marks if isinstance(marks, dict) else range(len(marks or ()))):
+        marks[key] = False  # type: ignore[index]
+
+
+def discard(engine: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
+    """NOTE [ An aborted backward counts for nothing ]: take the aborted
+    attempt's state off ``engine``; return why it may have changed the
+    window for good (the engine must fail closed), or None (a clean retry)."""
+    opt: Any = getattr(engine, "optimizer", None)
+    why = _permanent(engine, opt, attempt, drains)
+    engine._manual_backward_expected = False  # (what DeepSpeed's post-backward hook clears)
+    if is_zero_optimizer(opt):
+        state = getattr(opt, "_backward_hook_state", None)
+        if state is not None:
+            state.post_backward_callback_queued = False  # the callback torch dropped
+            if hasattr(state, "remaining_grad_acc_hooks"):
+                state.remaining_grad_acc_hooks = 0
+        while opt._backward_active_depth > 0:
             opt.exit_backward()
-        return
-    boundary = engine.__dict__.get(_BOUNDARY)
-    engine.__dict__[_BOUNDARY] = False  # not the window's last backward: the retry is
-    try:
-        epilogue()
-    finally:
-        engine.__dict__[_BOUNDARY] = boundary
-        if hasattr(opt, "set_gradient_accumulation_boundary"):  # ZeRO's mirror of it
-            opt.set_gradient_accumulation_boundary(engine.is_gradient_accumulation_boundary())
+        _empty_buckets(opt)
+        if attempt is not None and not attempt.ready and getattr(opt, "ready_for_gradients", False):
+            opt.ready_for_gradients = False  # the attempt set the buckets up, counting a micro-step
+            opt.micro_step_id -= 1
+    if why is None and not (attempt is not None and attempt.earlier and _keeps_window_in_grad(opt)):
+        _clear_grads(engine, opt)  # (else nothing was reached, and .grad is the window's earlier micro-steps)
+    return why
 
 
-def refuse_next(engine: Any, broken: str | None) -> None:
-    """The first governed prologue of ``engine`` after graphscale ended a
-    failed backward of it: refuse it when ending that one raised
-    ``broken``, or at ZeRO 3 when no forward ran since (a retry over the
-    retained graph).  Reads DeepSpeed's "backward seen this step" mark,
-    which each forward clears."""
+def _keeps_window_in_grad(opt: Any) -> bool:
+    """Whether the window's earlier micro-steps live in the parameters'
+    ``.grad`` (ZeRO 0 and 1) rather than in ZeRO's partitions."""
+    return not is_zero_optimizer(opt) or not getattr(opt, "partition_gradients", True)
+
+
+def fail_closed(engine: Any, name: str, why: str) -> Callable[..., Any]:
+    """A function that raises the fail-closed error of ``engine`` (named
+    ``name``), whatever it is called with: the engine's forward and step()."""
     stage = engine.zero_optimization_stage()
-    if broken is None and stage == 3 and getattr(engine.optimizer, "_backward_seen_this_step", False):
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise GraphscaleError(
+            f"graphscale: DeepSpeed engine {name} (ZeRO {stage}): an aborted backward already contributed to this "
+            f"accumulation window ({why}), so it can no longer train exactly.  Fix: discard this engine, build a "
+            "new one (deepspeed.initialize, from your last checkpoint) and install graphscale on it, and restart "
+            "the accumulation window.  Nothing of this call ran.")
+
+    return refused
+
+
+def refuse_next(engine: Any) -> None:
+    """The first governed prologue of ``engine`` after graphscale discarded
+    a failed backward of it: refuse it at ZeRO 3 when no forward ran since (a
+    retry over the retained graph).  Reads DeepSpeed's "backward seen this
+    step" mark, which each forward clears."""
+    stage = engine.zero_optimization_stage()
+    if stage == 3 and getattr(engine.optimizer, "_backward_seen_this_step", False):
         raise GraphscaleError(
             "graphscale: a backward over the graph of this ZeRO 3 engine's backward that raised (retain_graph=True, "
             "no forward since): ZeRO 3 cannot run a second backward over a graph whose backward ran (DeepSpeed alone "
             "fails there too, mid-backward, on its partitioned parameters).  Fix: retry the micro-step with a new "
-            "forward (engine(batch)); the failed backward's reached gradients are kept.  Nothing of this backward "
-            "ran for this engine.")
-    if broken is None:
-        return
-    raise GraphscaleError(
-        f"graphscale: this DeepSpeed engine (ZeRO {stage}) is still inside a backward that "
-        f"raised earlier: ending it (DeepSpeed's epilogue, for the gradients it had reached) failed with {broken}, so "
-        "its ZeRO state (reduction bucket, backward depth) is partial.  Fix: rebuild the engine, or reload a "
-        "checkpoint into a new one, and install graphscale on it; nothing of this backward ran for this engine.")
+            "forward (engine(batch)); the failed backward was discarded.  Nothing of this backward ran for this "
+            "engine.")
