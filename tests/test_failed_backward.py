@@ -299,3 +299,40 @@ def test_an_engine_whose_aborted_backward_cannot_be_discarded_fails_closed_with_
         for call in (lambda: engine(fb._data(0, 0, 1)), engine.step):
             with pytest.raises(graphscale.GraphscaleError, match="ZeRO 2.*discarding it raised RuntimeError"):
                 call()
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=lambda s: f"zero{s}")
+@pytest.mark.parametrize("where", ["user_hook", "after_head"])
+def test_a_bucket_drained_during_an_aborted_backward_fails_closed_and_an_undrained_one_retries_clean(
+        ds_dist: None, stage: int, where: str) -> None:
+    """With a reduction bucket of 4 elements, ZeRO 2 and 3 reduce the head's
+    bias into the window's partitioned gradients while the backward is still
+    running (before the head's weight joins the bucket): where the backward
+    then raises (``user_hook``), that contribution is permanent and the
+    engine fails closed at the retry's forward.  Where it raises before any
+    of the engine's gradients (``after_head``) nothing drained, and the retry
+    trains like the window without the failed attempt."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import graphscale
+
+    net, plain = fb.models(where, 1)[0], fb.models(where, 1)[0]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": fb.GAS,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 4}, "zero_allow_untested_optimizer": True,
+           "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=fb.LR), config=cfg)
+    with graphscale.install(engine):
+        _fail_once(engine, net, 0)
+        if where == "user_hook":
+            with pytest.raises(graphscale.GraphscaleError, match="a reduction bucket was reduced during it"):
+                engine(fb._data(0, 0, 1))
+            return
+        for step in range(fb.GAS):
+            fb._loss(engine(fb._data(0, step, 1))).backward()
+            engine.step()
+    for step in range(fb.GAS):
+        fb._loss(plain(fb._data(0, step, 1))).backward()
+    for p, q in zip(engine.module.parameters(), plain.parameters()):
+        want = q.detach() - fb.LR * q.grad / fb.GAS
+        torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)
