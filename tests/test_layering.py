@@ -49,7 +49,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_tools.demo",),
     # _adapters/: above everything they plug into
     ("_adapters", "_adapters.deepspeed.reads", "_adapters.fsdp"),
-    ("_adapters.deepspeed.checks", "_adapters.deepspeed.hooks", "_adapters.deepspeed.failed"),
+    ("_adapters.deepspeed.checks", "_adapters.deepspeed.hooks", "_adapters.deepspeed.failed",
+     "_adapters.deepspeed.compiled"),
     ("_adapters.deepspeed.engine",),
     ("_adapters.deepspeed",),
     # the face

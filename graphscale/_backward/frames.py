@@ -15,13 +15,16 @@ engines' part if it raises.  Imports nothing of graphscale.
 # ds_id assertion) or reduces nothing (KeyError in step()).  So each
 # top-level governed backward carries a list (``Frame.on_failure``), every
 # binding in it shares that list (``Binding.on_failure`` in running.py, as it
-# shares ``once``), an adapter appends what completes its engine's part when
-# that part begins, and if the backward raises, everything appended runs, in
-# order, before the error goes on to the caller: the engine ends the
-# backward with the gradients torch left, as plain PyTorch keeps them.  What
-# runs there should not raise; if it does, its error is added to the
-# original's notes and the rest still run.  A binding made outside any
-# top-level governed backward (a reference pass) gets a list nobody runs.
+# shares ``once``), an adapter appends what ends its engine's part when that
+# part begins, and if the backward raises, everything appended runs, in
+# order, before the error goes on to the caller: the DeepSpeed adapter
+# discards the aborted attempt, or makes the engine fail closed where the
+# attempt already changed its accumulation window (NOTE [ An aborted backward
+# counts for nothing ] in _adapters/deepspeed/failed.py); plain groups keep
+# what torch left in .grad, as plain PyTorch does.  What runs there should
+# not raise; if it does, its error is added to the original's notes and the
+# rest still run.  A binding made outside any top-level governed backward (a
+# reference pass) gets a list nobody runs.
 """
 from __future__ import annotations
 

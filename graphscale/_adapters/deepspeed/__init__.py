@@ -1,9 +1,10 @@
 """DeepSpeed adapter: the only modules that know about deepspeed are this one
-and the ``_deepspeed_*.py`` beside it: ``_adapters/deepspeed/engine.py`` (what
-graphscale changes on an engine: NOTE [ DeepSpeed's two generations ], NOTE [
-One lifecycle per backward ]), ``_adapters/deepspeed/failed.py`` (NOTE [ Ending a
-failed ZeRO backward ]), ``_adapters/deepspeed/checks.py`` (NOTE [ DeepSpeed drift ]),
-``_adapters/deepspeed/hooks.py`` and ``_adapters/deepspeed/reads.py``; none imports deepspeed:
+and the modules beside it: ``_adapters/deepspeed/engine.py`` (what graphscale
+changes on an engine: NOTE [ DeepSpeed's two generations ], NOTE [ One
+lifecycle per backward ]), ``_adapters/deepspeed/failed.py`` (NOTE [ An aborted
+backward counts for nothing ]), ``_adapters/deepspeed/checks.py`` (NOTE [ DeepSpeed drift ]),
+``_adapters/deepspeed/compiled.py``, ``_adapters/deepspeed/hooks.py`` and
+``_adapters/deepspeed/reads.py``; none imports deepspeed:
 they read ``sys.modules``.  This one defines an engine's group and registers
 the adapter with graphscale's registry (``_core/registry.py``) at import.
 

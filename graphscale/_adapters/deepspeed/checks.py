@@ -195,10 +195,9 @@ def _check_engine_class(cls: Any) -> None:
 
 def _check_engine_instance(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]) -> None:
     cls = type(engine).__name__
-    # _is_gradient_accumulation_boundary: the override graphscale sets while it ends a failed backward
-    # (NOTE [ A backward that raised ] in _backward/frames.py)
-    for attr in ("_running_engine_backward", "_manual_backward_expected", "_is_gradient_accumulation_boundary",
-                 "optimizer", "module"):
+    # global_steps: what tells graphscale the accumulation window an aborted backward was in (NOTE [ An
+    # aborted backward counts for nothing ] in _adapters/deepspeed/failed.py)
+    for attr in ("_running_engine_backward", "_manual_backward_expected", "global_steps", "optimizer", "module"):
         if attr not in engine.__dict__ and not hasattr(engine, attr):
             raise _refuse(f"{cls} instance attribute {attr}", "is missing")
     gas = engine.gradient_accumulation_steps()

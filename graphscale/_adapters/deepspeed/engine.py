@@ -127,6 +127,7 @@ class _EngineAdapter:
 
     dead: str | None
     attempt: Attempt | None
+    drains: Drains | None  # while enabled, on a DeepSpeed without its own recovery
 
     def __init__(self, engine: Any, name: str) -> None:
         self.refs, self.active, self.engine, self.name = 0, False, engine, name
@@ -139,12 +140,10 @@ class _EngineAdapter:
             raise GraphscaleError(
                 "graphscale: this engine's backward, scale, _backward_prologue, _backward_epilogue or "
                 "_backward_prologue_per_tensor is already replaced on the instance (by another tool?); "
-                "graphscale cannot govern it safely."
-            )
+                "graphscale cannot govern it safely.")
         deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
         self.deepspeeds_prologue = cls._backward_prologue.__get__(engine, cls)
-        self.open, self.dead, self.ended, self.attempt, self.window = False, None, False, None, -1  # (docstring)
-        self.drains: Drains | None = None  # while enabled, on a DeepSpeed without its own recovery
+        self.open, self.dead, self.ended, self.attempt, self.window, self.drains = False, None, False, None, -1, None
         adapter = self
 
         self.after_epilogue: list[Callable[[], None]] = []  # run once, after DeepSpeed's next epilogue
@@ -251,9 +250,8 @@ class _EngineAdapter:
         self.engine.forward = self.engine.step = fail_closed(self.engine, self.name, why)
 
     def enable(self) -> None:
-        opt = getattr(self.engine, "optimizer", None)
-        if self.drains is None and not deepspeed_recovers(opt):
-            self.drains = Drains(opt)
+        if self.drains is None and not deepspeed_recovers(getattr(self.engine, "optimizer", None)):
+            self.drains = Drains(self.engine.optimizer)
         self.engine.backward = self.backward
         self.engine._backward_epilogue = self.epilogue
         self.engine._backward_prologue = self.prologue
