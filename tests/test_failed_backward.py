@@ -336,3 +336,59 @@ def test_a_bucket_drained_during_an_aborted_backward_fails_closed_and_an_undrain
     for p, q in zip(engine.module.parameters(), plain.parameters()):
         want = q.detach() - fb.LR * q.grad / fb.GAS
         torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)
+
+
+def _low_precision_window(dtype: str, stage: int, fail_at: int | None) -> Any:
+    """One window of a ``dtype`` engine (the failed attempt at ``fail_at``,
+    or none): its fp32 weights after ``step()``, or the fail-closed error."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import graphscale
+
+    net = fb.models("user_hook", 1)[0]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": fb.GAS,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+           dtype: {"enabled": True, **({"initial_scale_power": 4} if dtype == "fp16" else {})}}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=fb.LR), config=cfg)
+    half = torch.bfloat16 if dtype == "bf16" else torch.float16
+    with graphscale.install(engine):
+        for step in range(fb.GAS):
+            if step == fail_at:
+                net.control["raise"] = True
+                with pytest.raises(fb.Injected):
+                    fb._loss(engine(fb._data(0, step, 0).to(half)).float()).backward()
+                net.control["raise"] = False
+            try:
+                fb._loss(engine(fb._data(0, step, 1).to(half)).float()).backward()
+            except graphscale.GraphscaleError as refused:
+                return str(refused)
+            engine.step()
+    return [safe_get_full_fp32_param(p).detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", fb.STAGES, ids=lambda s: f"zero{s}")
+@pytest.mark.parametrize("fail_at", fb.FAIL_AT, ids=["first", "boundary"])
+def test_a_low_precision_engine_after_a_discarded_backward_trains_bit_for_bit_like_the_clean_window(
+        ds_dist: None, monkeypatch: pytest.MonkeyPatch, dtype: str, stage: int, fail_at: int) -> None:
+    """bf16 and fp16 engines (fp32 gradient accumulation at ZeRO 1, the fp16
+    loss scale): the window with a discarded attempt gives the very weights
+    of the same engine's window without it; at ZeRO 1 after an earlier
+    micro-step the engine fails closed, as in fp32.  fp16 runs on DeepSpeed's
+    CPU accelerator with its capability flag forced, as in tests/test_fp16.py."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    linear = torch.nn.functional.linear
+    try:
+        got = _low_precision_window(dtype, stage, fail_at)
+        want = _low_precision_window(dtype, stage, None)
+    finally:
+        torch.nn.functional.linear = linear  # ZeRO-3 replaces it process-wide
+    if stage == 1 and fail_at == 1:
+        assert isinstance(got, str) and "an aborted backward already contributed" in got, got
+        return
+    assert not isinstance(got, str), got
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
