@@ -392,3 +392,41 @@ def test_a_low_precision_engine_after_a_discarded_backward_trains_bit_for_bit_li
     assert not isinstance(got, str), got
     for g, w in zip(got, want):
         assert torch.equal(g, w), (g - w).abs().max()
+
+
+@pytest.mark.parametrize("stage", fb.STAGES, ids=lambda s: f"zero{s}")
+def test_a_backward_whose_deepspeed_prologue_raised_retries_clean_after_an_earlier_micro_step(
+        make_engine: Any, monkeypatch: pytest.MonkeyPatch, stage: int) -> None:
+    """Where DeepSpeed's own prologue raises (graphscale's compiled-autograd
+    refusal raises there too), no gradient of the engine was reached: the
+    retry trains like the clean window, at ZeRO 1 too, and the engine does
+    not fail closed on a snapshot left from the micro-step before."""
+    import graphscale
+
+    net, plain = fb.models("user_hook", 1)[0], fb.models("user_hook", 1)[0]
+    engine = make_engine(net, fb.GAS, stage)
+    deepspeeds = type(engine)._backward_prologue
+    armed = {"raise": False}
+
+    def prologue(self: Any) -> None:
+        if armed["raise"]:
+            raise fb.Injected("injected: DeepSpeed's prologue")
+        deepspeeds(self)
+
+    monkeypatch.setattr(type(engine), "_backward_prologue", prologue)
+    with graphscale.install(engine):
+        fb._loss(engine(fb._data(0, 0, 1))).backward()
+        engine.step()
+        armed["raise"] = True
+        with pytest.raises(fb.Injected):
+            fb._loss(engine(fb._data(0, 1, 0))).backward()
+        armed["raise"] = False
+        fb._loss(engine(fb._data(0, 1, 1))).backward()
+        engine.step()
+    for step in range(fb.GAS):
+        fb._loss(plain(fb._data(0, step, 1))).backward()
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for p, q in zip(engine.module.parameters(), plain.parameters()):
+        want = q.detach() - fb.LR * q.grad / fb.GAS
+        torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)

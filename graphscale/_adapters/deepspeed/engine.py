@@ -220,7 +220,7 @@ class _EngineAdapter:
             opt: Any = getattr(engine, "optimizer", None)
             if is_zero_optimizer(opt) and opt._backward_active_depth > 0:
                 opt.exit_backward()
-        self.open = True
+        self.open, self.attempt = True, None  # (the prologue, next, takes the attempt's snapshot)
         on_failure.append(self.backward_failed)
         if not getattr(engine, "_running_engine_backward", False) and self.read_scale() != 1.0:
             # A direct backward: graphscale applies the loss scale (NOTE [ fp16 engines ]), which

@@ -119,9 +119,11 @@ def begin(engine: Any, drains: Drains, earlier: bool) -> Attempt:
 
 
 def _permanent(engine: Any, opt: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
-    """Why the aborted attempt may have changed the window for good, or None."""
+    """Why the aborted attempt may have changed the window for good, or None.
+    No ``attempt``: DeepSpeed's prologue did not finish (it raised, e.g. the
+    compiled-autograd refusal), so none of the engine's gradients was reached."""
     if attempt is None or drains is None:
-        return "graphscale saw no snapshot of its start"
+        return None
     zero = is_zero_optimizer(opt)
     hooked = zero and bool(getattr(opt, "_grad_acc_hooks", None)) and hasattr(opt, "_backward_hook_state")
     reached = not hooked or _fired(opt) > attempt.fired  # (unknown without ZeRO's per-parameter hooks: assumed)
@@ -175,7 +177,7 @@ def discard(engine: Any, attempt: Attempt | None, drains: Drains | None) -> str 
         if attempt is not None and not attempt.ready and getattr(opt, "ready_for_gradients", False):
             opt.ready_for_gradients = False  # the attempt set the buckets up, counting a micro-step
             opt.micro_step_id -= 1
-    if why is None and not (attempt is not None and attempt.earlier and _keeps_window_in_grad(opt)):
+    if why is None and attempt is not None and not (attempt.earlier and _keeps_window_in_grad(opt)):
         _clear_grads(engine, opt)  # (else nothing was reached, and .grad is the window's earlier micro-steps)
     return why
 
