@@ -26,7 +26,10 @@ imports deepspeed.
 #     window holds an earlier completed backward of this engine:
 #     ``Attempt.earlier``).  Either is permanent: the engine fails closed.
 #     Anything else is not (ZeRO 2 and 3 keep the window's earlier
-#     micro-steps in their partitions, out of the attempt's reach);
+#     micro-steps in their partitions, out of the attempt's reach).  Where
+#     ZeRO has no per-parameter hooks (ZeRO 0; ZeRO 1 without contiguous
+#     gradients) "reached" cannot be seen and is assumed; where DeepSpeed's
+#     prologue itself raised, nothing was reached;
 #   * discards the attempt's state either way (:func:`discard`): the
 #     backward depth and the queued-callback mark, the bucket's parameters,
 #     the "already reduced" marks, the reached parameters' unreduced .grad
