@@ -64,6 +64,18 @@ def generation() -> str:
     return "tracker" if hasattr(eng, "_ENGINE_BACKWARD_GRAPH_TRACKER") else "hooks"
 
 
+@pytest.fixture(autouse=True)
+def _not_where_deepspeed_recovers_itself() -> None:
+    """On a DeepSpeed that discards or rejects an aborted backward itself (PR
+    8245's head) graphscale leaves that to it, so these cases, written for
+    the releases that do not, do not apply; DeepSpeed's own lifecycle tests
+    pin it there (docs/contract.md, "After a backward that raised")."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if hasattr(ZeROOptimizer, "_ensure_backward_complete_before_step"):
+        pytest.skip("this DeepSpeed recovers from an aborted backward itself, and graphscale leaves it to it")
+
+
 def status(result: dict[str, Any]) -> str:
     """"exact", "wrong", "fails closed at <call>" (the engine's forward,
     backward or step() raised that an aborted backward already contributed
