@@ -237,6 +237,18 @@ def _fail_once(engine: Any, net: fb.Net, step: int) -> None:
     return caught.value  # type: ignore[return-value]
 
 
+def _assert_trained_like_plain(engine: Any, plain: torch.nn.Module, steps: Any) -> None:
+    """``engine``'s weights after its window against the clean control: ``plain``
+    after one SGD step on the gradients of micro-steps ``steps`` over GAS."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for step in steps:
+        fb._loss(plain(fb._data(0, step, 1))).backward()
+    for p, q in zip(engine.module.parameters(), plain.parameters()):
+        want = q.detach() - fb.LR * q.grad / fb.GAS
+        torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)
+
+
 @pytest.mark.parametrize("stage", fb.STAGES, ids=lambda s: f"zero{s}")
 def test_step_right_after_a_discarded_backward_skips_the_micro_step(make_engine: Any, stage: int) -> None:
     """NOTE [ An aborted backward counts for nothing ]: graphscale discards the
@@ -252,12 +264,7 @@ def test_step_right_after_a_discarded_backward_skips_the_micro_step(make_engine:
         engine.step()
         fb._loss(engine(fb._data(0, 1, 1))).backward()
         engine.step()
-    fb._loss(plain(fb._data(0, 1, 1))).backward()
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    for p, q in zip(engine.module.parameters(), plain.parameters()):
-        want = q.detach() - fb.LR * q.grad / fb.GAS
-        torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)
+    _assert_trained_like_plain(engine, plain, [1])
 
 
 def test_a_zero1_engine_whose_aborted_backward_reached_an_earlier_micro_steps_grad_fails_closed(
@@ -325,7 +332,6 @@ def test_a_bucket_drained_during_an_aborted_backward_fails_closed_and_an_undrain
     of the engine's gradients (``after_head``) nothing drained, and the retry
     trains like the window without the failed attempt."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
 
     import graphscale
 
@@ -343,11 +349,7 @@ def test_a_bucket_drained_during_an_aborted_backward_fails_closed_and_an_undrain
         for step in range(fb.GAS):
             fb._loss(engine(fb._data(0, step, 1))).backward()
             engine.step()
-    for step in range(fb.GAS):
-        fb._loss(plain(fb._data(0, step, 1))).backward()
-    for p, q in zip(engine.module.parameters(), plain.parameters()):
-        want = q.detach() - fb.LR * q.grad / fb.GAS
-        torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)
+    _assert_trained_like_plain(engine, plain, range(fb.GAS))
 
 
 def _low_precision_window(dtype: str, stage: int, fail_at: int | None) -> Any:
@@ -435,10 +437,4 @@ def test_a_backward_whose_deepspeed_prologue_raised_retries_clean_after_an_earli
         armed["raise"] = False
         fb._loss(engine(fb._data(0, 1, 1))).backward()
         engine.step()
-    for step in range(fb.GAS):
-        fb._loss(plain(fb._data(0, step, 1))).backward()
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    for p, q in zip(engine.module.parameters(), plain.parameters()):
-        want = q.detach() - fb.LR * q.grad / fb.GAS
-        torch.testing.assert_close(safe_get_full_fp32_param(p).detach(), want, rtol=WEIGHTS_RTOL, atol=1e-7)
+    _assert_trained_like_plain(engine, plain, range(fb.GAS))
