@@ -2,11 +2,14 @@
 and peak memory, one row per workload and size."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import os
 import sys
+import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -20,6 +23,32 @@ from .stats import Row, summarize
 from .workloads import Workload, count_nodes, family_workloads, grads_of, max_rel_err, oracle, zero_grads
 
 WARMUP = 2  # rounds run and dropped at the start of every row
+
+
+@contextlib.contextmanager
+def _native_output_held() -> Iterator[None]:
+    """What C++ writes to stdout and stderr inside the block (the profiler's
+    "USDT: ... profiler_start/stop" lines, the CPU allocator's warnings) goes
+    to a temporary file instead of the terminal, and is shown only if the
+    block raises."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 1)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved[1], 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
 
 
 def peak_tensor_bytes(run: Callable[[], None], device: str) -> int:
@@ -40,7 +69,7 @@ def peak_tensor_bytes(run: Callable[[], None], device: str) -> int:
         return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_output_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     cur = peak = 0
     for e in sorted(prof.events(), key=lambda e: e.time_range.start):
