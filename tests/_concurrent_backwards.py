@@ -29,7 +29,6 @@ from graphscale._backward import route as _route
 THREADS = 5
 ROUNDS = 40
 TOL = 1e-9
-torch.set_default_dtype(torch.double)
 
 
 class Ident(torch.autograd.Function):
@@ -208,6 +207,7 @@ SETTINGS = [(groups, route) for groups in ("one group", "two groups") for route 
 
 def main(name: str) -> int:
     scenario, failures = SCENARIOS[name], 0
+    torch.set_default_dtype(torch.double)  # here, not at import: the test module imports this file
     sys.setswitchinterval(1e-6)  # threads interleave inside every hook and every Python step
     for groups, route in SETTINGS:
         print("start", groups, route, flush=True)
