@@ -29,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <typeinfo>
 #include <unordered_map>
@@ -1359,10 +1360,13 @@ struct Undo {
         node->add_input_metadata(THPVariable_Unpack(obj));
         continue;
       }
+      // An edge's: copied whole (InputMetadata's fields differ between torch
+      // releases; it has a copy constructor, not a copy assignment).
       const auto& e = node->next_edges()[r];
-      const auto& m = e.function->input_metadata(e.input_nr);
-      node->add_input_metadata(m.options(), m.shape_as_dim_vector(), m.is_tensor_subclass(), m.is_nested_tensor(),
-                               m.grad_dtype());
+      const uint32_t nr = node->add_input_metadata(Node::undefined_input());
+      torch::autograd::InputMetadata& slot = node->mutable_input_metadata(nr);
+      slot.~InputMetadata();
+      new (&slot) torch::autograd::InputMetadata(e.function->input_metadata(e.input_nr));
     }
     py::object pynode = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(node));
     if (!pynode) throw py::error_already_set();
