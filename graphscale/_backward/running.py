@@ -44,11 +44,13 @@ native: Any = None  # the native module the running state is kept in (use_native
 # a hook that runs before any other hook of the task's first node records
 # torch._C._current_graph_task_id() -> binding; a nested backward binds its
 # own task the same way (every task whose graph may hold an engine's output
-# hook: a plan that saw no tensor hook anywhere binds nothing).  Natively the
-# hook is a C++ pre-hook put first among the root nodes' tensor pre-hooks;
-# the Python one (no such place in Python) replaces a root that is itself an
-# engine's output by a view of itself, whose node is new, and puts a node
-# pre-hook on the other roots.  The graph task id is what every thread
+# hook: a plan that saw no tensor hook anywhere binds nothing).  Natively it
+# is a node of the backward's own put in front of the roots (torch is handed
+# GradientEdges to it), never a hook on a node other backwards share: NOTE [
+# Binding without touching a shared node ] in _native/walker.cpp; the Python
+# one (no such node in Python) replaces a root that is itself an engine's
+# output by a view of itself, whose node is new, and puts a node pre-hook on
+# the other roots.  The graph task id is what every thread
 # running the task's nodes reads, the caller's and autograd's device threads
 # (CUDA) alike, and it is the only thing the adapter's hook asks
 # (task_binding()): no thread-local, which a device thread would not see and

@@ -53,6 +53,7 @@ from typing import Any, Callable, NamedTuple
 
 __all__ = [
     "CACHE_ENV",
+    "SANITIZE_ENV",
     "MODULE_NAME",
     "Variant",
     "RELEASE",
@@ -73,22 +74,39 @@ CACHE_ENV = "GRAPHSCALE_CACHE"
 MODULE_NAME = "graphscale_native_walker"  # the extension's PyInit_ name: torch builds it under this name
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "walker.cpp")
 CFLAGS = ("-O3",)
+# NOTE [ Sanitizer builds ]
+# GRAPHSCALE_SANITIZE=address (or thread), read at import: both variants built with that sanitizer (keys
+# ending in -asan / -tsan) and loaded.  Only walker.cpp is instrumented: preload the runtime
+# (LD_PRELOAD=$(g++ -print-file-name=libasan.so)).  CI: .ci/run; why not TSan: docs/native-walker.md.
+SANITIZE_ENV = "GRAPHSCALE_SANITIZE"
+_SANITIZERS = {"address": ("asan", ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")),
+               "thread": ("tsan", ("-fsanitize=thread", "-g"))}
+
+
+def _sanitizer() -> tuple[str, tuple[str, ...]]:
+    """(key suffix, flags) of $GRAPHSCALE_SANITIZE, or ("", ()) when unset."""
+    name = os.environ.get(SANITIZE_ENV, "").strip().lower()
+    if name and name not in _SANITIZERS:
+        raise ValueError(f"graphscale: {SANITIZE_ENV}={name!r}: expected one of {sorted(_SANITIZERS)} or nothing")
+    return _SANITIZERS[name] if name else ("", ())
 
 
 class Variant(NamedTuple):
-    """One build of ``walker.cpp``: the module name it is built and imported
-    under, and its compiler flags.  :data:`RELEASE` is what graphscale loads;
-    :data:`SEAMS` is the test build, with the hooks' counters, an injected
-    hook failure and a switch that stops binding (``GRAPHSCALE_TEST_SEAMS``;
-    tests/_seams.py loads it beside the release build), which the release
-    build does not carry."""
+    """One build of ``walker.cpp``: its module name, compiler and linker
+    flags.  :data:`RELEASE` is what graphscale loads; :data:`SEAMS` the test
+    build (hook counters, an injected hook failure, a switch that stops
+    binding: ``GRAPHSCALE_TEST_SEAMS``; tests/_seams.py loads it beside the
+    release build).  Both carry NOTE [ Sanitizer builds ]'s flags."""
 
     module_name: str
     cflags: tuple[str, ...]
+    ldflags: tuple[str, ...] = ()
+    suffix: str = ""  # the sanitizer's, at the end of the cache key
 
 
-RELEASE = Variant(MODULE_NAME, CFLAGS)
-SEAMS = Variant(MODULE_NAME + "_seams", (*CFLAGS, "-DGRAPHSCALE_TEST_SEAMS"))
+_SAN_SUFFIX, _SAN_FLAGS = _sanitizer()
+RELEASE = Variant(MODULE_NAME, (*CFLAGS, *_SAN_FLAGS), _SAN_FLAGS, _SAN_SUFFIX)
+SEAMS = Variant(MODULE_NAME + "_seams", (*CFLAGS, *_SAN_FLAGS, "-DGRAPHSCALE_TEST_SEAMS"), _SAN_FLAGS, _SAN_SUFFIX)
 FIX = (
     "install a C++ compiler (g++) and ninja (pip install ninja), or point {env} at a writable "
     "directory, then run `python -m graphscale build`; or set GRAPHSCALE_WALKER=python to use the "
@@ -138,7 +156,7 @@ def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
     digest = hashlib.sha256()
     with open(source, "rb") as f:
         digest.update(f.read())
-    digest.update(repr(variant.cflags).encode())
+    digest.update(repr((variant.cflags, variant.ldflags) if variant.ldflags else variant.cflags).encode())
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False)))
     parts = (
         f"torch{torch.__version__}",
@@ -147,7 +165,8 @@ def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
         f"cxx11abi{abi}",
         digest.hexdigest()[:16],
     )
-    return "-".join(_safe(p) for p in parts) + ("" if variant == RELEASE else "-" + variant.module_name)
+    key = "-".join(_safe(p) for p in parts) + ("" if variant == RELEASE else "-" + variant.module_name)
+    return key + ("-" + variant.suffix if variant.suffix else "")
 
 
 def key_dir(source: str = SOURCE, variant: Variant = RELEASE) -> str:
@@ -259,6 +278,7 @@ def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None]
                     name=variant.module_name,
                     sources=[source],
                     extra_cflags=list(variant.cflags),
+                    extra_ldflags=list(variant.ldflags),
                     build_directory=tmp,
                     verbose=False,
                 )

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <stdexcept>
 #include <typeinfo>
 #include <unordered_map>
@@ -924,9 +925,10 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
 // alone, the fast path, a plan: graphscale/_backward/decide.py decide),
 // walks and plans, scales the seeds, puts each edge multiplier on its node as
 // a C++ FunctionPostHook (ScaleHook: no Python when it fires), binds the
-// graph task (BindHook, first of the roots' tensor pre-hooks, so before any
-// output hook: NOTE [ Which snapshot an output hook obeys ] in
-// graphscale/_backward/running.py), registers the plan for nested backwards,
+// graph task (BindNode, a node of its own in front of the roots, so before
+// any output hook: NOTE [ Which snapshot an output hook obeys ] in
+// graphscale/_backward/running.py; NOTE [ Binding without touching a shared
+// node ]), registers the plan for nested backwards,
 // calls the original torch.autograd.backward, and takes every hook, binding
 // and registration back in a destructor (Undo), on every exit.  It declines
 // (returns the reason as a short str, having touched nothing) what the
@@ -942,7 +944,7 @@ static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::
 // loaded: the registry of walked plans whose backward runs (RunningEntry:
 // NativePlans, or a Python route's plan past 64 factors), the lookup of the
 // plan a nested backward runs inside (find_enclosing: the registry, else the
-// task's binding), the Binding class, and the binding hook (BindHook).  The
+// task's binding), the Binding class, and the binding node (BindNode).  The
 // Python route registers, looks up and binds through the same functions
 // (graphscale/_backward/running.py dispatches to them); running.py's Python
 // equivalents run only where this module is not loaded, and its Python
@@ -1104,32 +1106,69 @@ struct BindState {
   std::vector<int> tasks;
 };
 
-// Records graph task id -> Binding in graphscale._backward.running._by_task when the
-// task runs its first node (running.py's Python hook does the same).
-class BindHook : public torch::autograd::FunctionPreHook {
+// NOTE [ Binding without touching a shared node ]
+// A graph task is bound when it runs its first node.  This used to be a
+// pre-hook put first in the root nodes' tensor_pre_hooks and erased after
+// the backward.  Those lists are plain std::vectors that torch's engine
+// iterates with no lock and no GIL (call_tensor_pre_hooks), and a root node
+// is shared by every backward of the same graph: a backward on another
+// thread (retain_graph, one graph, torch's TestMultithreadAutograd
+// test_multi_grad_all_hooks) iterated the vector while this thread inserted
+// or erased, and read a freed or moved-from hook (SIGSEGV in
+// call_tensor_pre_hooks, 7 runs in 25 of that test; issue 38).  Now the
+// binding is a node of its own, made for this one backward (BindNode): its
+// next edges are the roots' edges, its input metadata theirs, and torch is
+// handed GradientEdges to it in place of the roots.  It runs before every
+// root node, so before any output hook, as the pre-hook did; no other
+// backward can reach it, so nothing any other thread runs is changed.
+// Freed with the roots handed to torch, once the backward is over.
+namespace {
+class BindNode : public Node {
  public:
-  explicit BindHook(std::shared_ptr<BindState> st) : st_(std::move(st)) { GS_SEAM(++bind_made; ++bind_live;) }
-  ~BindHook() override { GS_SEAM(--bind_live;) }
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+  BindNode(std::shared_ptr<BindState> st, torch::autograd::edge_list&& next)
+      : Node(std::move(next)), st_(std::move(st)) {
+    GS_SEAM(++bind_made; ++bind_live;)
+  }
+  ~BindNode() override { GS_SEAM(--bind_live;) }
+  std::string name() const override { return "GraphscaleBindBackward"; }
+  // Records graph task id -> Binding in graphscale._backward.running._by_task
+  // (running.py's Python hook does the same) and passes the seeds on.
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const int tid = torch::autograd::get_current_graph_task_id();
-    if (tid < 0) return grads;
+    if (tid < 0) return std::move(grads);
     py::gil_scoped_acquire gil;
     PyObject* key = PyLong_FromLong(tid);
-    if (key != nullptr) {
+    if (key != nullptr && st_->binding != nullptr) {
       PyObject* dict = registry->by_task.ptr();
       if (PyDict_Contains(dict, key) == 0 && PyDict_SetItem(dict, key, st_->binding) == 0) {
         std::lock_guard<std::mutex> lock(st_->mu);
         st_->tasks.push_back(tid);  // only what this binding put there is taken out again
       }
-      Py_DECREF(key);
     }
+    Py_XDECREF(key);
     PyErr_Clear();
-    return grads;
+    return std::move(grads);
   }
 
  private:
   std::shared_ptr<BindState> st_;
 };
+
+PyTypeObject bind_node_type{};  // its Python type (registered at import: GradientEdge needs a Python node)
+
+template <typename P>
+struct MakeNode;
+template <typename T>
+struct MakeNode<std::shared_ptr<T>> {
+  template <typename N, typename... A>
+  static std::shared_ptr<T> make(A&&... a) { return std::make_shared<N>(std::forward<A>(a)...); }
+};
+template <typename T>
+struct MakeNode<c10::intrusive_ptr<T>> {
+  template <typename N, typename... A>
+  static c10::intrusive_ptr<T> make(A&&... a) { return c10::make_intrusive<N>(std::forward<A>(a)...); }
+};
+}  // namespace
 
 // The registry of walked plans whose backward is running, any thread,
 // innermost last (NOTE [ One running state, both routes ]).  `plan` is null
@@ -1257,7 +1296,6 @@ static py::object enclosing_phi(py::handle obj) {
 // scope (normal return or exception); runs with the GIL held.
 struct Undo {
   std::vector<std::pair<Node*, uintptr_t>> posts;
-  std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> binds;
   std::vector<NodePtr> keep;  // the nodes hooked, alive until unhooked
   std::shared_ptr<BindState> bind;
   uint64_t token = 0;  // the registry entry (0: none)
@@ -1270,14 +1308,6 @@ struct Undo {
   ~Undo() {
     const auto t0 = Clock_::now();
     for (auto& pk : posts) pk.first->del_post_hook(pk.second);
-    for (auto& nb : binds) {
-      auto& hooks = nb.first->tensor_pre_hooks();
-      for (auto it = hooks.begin(); it != hooks.end(); ++it)
-        if (it->get() == nb.second) {
-          hooks.erase(it);
-          break;
-        }
-    }
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  // a pending Python error survives the clean-up
     if (token != 0) pop_running(token);
@@ -1300,23 +1330,53 @@ struct Undo {
     if (off_ns != nullptr) *off_ns = ns_since(t0);
   }
 
-  // Bind the graph task of a backward of `nodes` to `binding`: a BindHook
-  // first in each distinct node's tensor pre-hooks.
-  void bind_roots(const std::vector<Node*>& nodes, py::object binding) {
-    GS_SEAM(if (!may_bind.load()) return;)
+  // Bind the graph task of a backward of `roots` to `binding`: the roots to
+  // hand torch instead, GradientEdges to a BindNode of this backward's own
+  // (NOTE [ Binding without touching a shared node ]).  `roots`: tensors
+  // that need a gradient, or GradientEdges.
+  py::tuple bind_roots(const py::tuple& roots, py::object binding) {
+    GS_SEAM(if (!may_bind.load()) return roots;)
+    static PyObject* edge_type =
+        py::object(py::module_::import("torch.autograd.graph").attr("GradientEdge")).release().ptr();
     bind = std::make_shared<BindState>();
     bind->binding = binding.release().ptr();
-    for (Node* n : nodes) {
-      bool seen = false;
-      for (auto& nb : binds) seen = seen || nb.first == n;
-      if (seen || n == nullptr) continue;
-      auto hook = std::make_unique<BindHook>(bind);
-      const torch::autograd::FunctionPreHook* raw_hook = hook.get();
-      keep.push_back(n->getptr());
-      auto& hooks = n->tensor_pre_hooks();
-      hooks.insert(hooks.begin(), std::move(hook));
-      binds.emplace_back(n, raw_hook);
+    torch::autograd::edge_list edges;
+    edges.reserve(roots.size());
+    for (size_t r = 0; r < roots.size(); ++r) {
+      PyObject* obj = roots[r].ptr();
+      if (THPVariable_Check(obj)) {
+        edges.push_back(torch::autograd::impl::gradient_edge(THPVariable_Unpack(obj)));
+      } else {  // GradientEdge(node, output_nr)
+        Node* n = node_of(PyTuple_GET_ITEM(obj, 0));
+        edges.emplace_back(n->getptr(), py::handle(PyTuple_GET_ITEM(obj, 1)).cast<uint32_t>());
+      }
     }
+    NodePtr node = MakeNode<NodePtr>::template make<BindNode>(bind, std::move(edges));
+    // Input metadata: the roots' own, so that the seeds torch checks and
+    // makes (and the engine casts) are what they were without this node.
+    for (size_t r = 0; r < roots.size(); ++r) {
+      PyObject* obj = roots[r].ptr();
+      if (THPVariable_Check(obj)) {
+        node->add_input_metadata(THPVariable_Unpack(obj));
+        continue;
+      }
+      // An edge's: copied whole (InputMetadata's fields differ between torch
+      // releases; it has a copy constructor, not a copy assignment).
+      const auto& e = node->next_edges()[r];
+      const uint32_t nr = node->add_input_metadata(Node::undefined_input());
+      torch::autograd::InputMetadata& slot = node->mutable_input_metadata(nr);
+      slot.~InputMetadata();
+      new (&slot) torch::autograd::InputMetadata(e.function->input_metadata(e.input_nr));
+    }
+    py::object pynode = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(node));
+    if (!pynode) throw py::error_already_set();
+    py::tuple out(roots.size());
+    for (size_t r = 0; r < roots.size(); ++r) {
+      PyObject* edge = PyObject_CallFunction(edge_type, "On", pynode.ptr(), static_cast<Py_ssize_t>(r));
+      if (edge == nullptr) throw py::error_already_set();
+      out[r] = py::reinterpret_steal<py::object>(edge);
+    }
+    return out;
   }
 };
 
@@ -1441,9 +1501,10 @@ static void run_applied(Apply& a, Outcome* oc) {
   }
   oc->ns[2] = ns_since(t0);
   t0 = Clock_::now();
-  if (!a.binding.is_none()) undo.bind_roots(a.call.nodes, std::move(a.binding));
+  py::tuple roots = a.call.roots;
+  if (!a.binding.is_none()) roots = undo.bind_roots(a.call.roots, std::move(a.binding));
   oc->ns[3] = ns_since(t0);
-  call_original(a.call.roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
+  call_original(roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
   oc->ns[4] = undo.hook_ns->load();
 }
 
@@ -1641,8 +1702,9 @@ static py::object nested_plan(py::handle current, const py::tuple& roots) {
 }
 
 // A graph task's binding for the Python route and the tools
-// (graphscale/_backward/running.py bound): `binding` on the roots' nodes,
-// as govern_top binds, until __exit__; __enter__ gives the roots back.
+// (graphscale/_backward/running.py bound): `binding` on a BindNode in front
+// of the roots, as govern_top binds, until __exit__; __enter__ gives the
+// roots to hand torch (GradientEdges to that node).
 struct Bound {
   py::tuple roots;
   std::unique_ptr<Undo> undo;
@@ -1657,8 +1719,7 @@ static Bound make_bound(const py::tuple& roots, py::object binding) {
   b.undo = std::make_unique<Undo>();
   for (Node* n : call.nodes)
     if (n == nullptr) throw std::invalid_argument("graphscale: bound() got a root that needs no gradient");
-  b.undo->bind_roots(call.nodes, std::move(binding));
-  for (auto& acc : call.leaf_roots) b.undo->keep.push_back(std::move(acc));
+  b.roots = b.undo->bind_roots(roots, std::move(binding));
   return b;
 }
 
@@ -1708,6 +1769,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (self.token != 0) pop_running(self.token);
         self.token = 0;
       });
+  torch::autograd::_initFunctionPyTypeObject(bind_node_type, "GraphscaleBindBackward", nullptr, nullptr);
+  Py_INCREF(&bind_node_type);  // static: never freed
+  torch::autograd::registerCppFunction(typeid(BindNode), &bind_node_type);
   m.def("configure", &configure);
   m.def("binding", &make_binding);
   m.def("running_plan", [](py::object plan, py::object reading) {
@@ -1721,7 +1785,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nested_plan", &nested_plan);
   py::class_<Bound>(m, "Bound", py::module_local())
       .def("__enter__", [](Bound& self) { return self.roots; })
-      .def("__exit__", [](Bound& self, py::args) { self.undo.reset(); });
+      .def("__exit__", [](Bound& self, py::args) {
+        self.undo.reset();
+        self.roots = py::tuple();  // the BindNode goes with the last reference to them
+      });
   m.def("bound", &make_bound);
   m.def("govern_nested", &govern_nested);
 #ifdef GRAPHSCALE_TEST_SEAMS
