@@ -121,7 +121,7 @@ def begin(engine: Any, drains: Drains, earlier: bool) -> Attempt:
     return Attempt(_fired(opt), drains.count, bool(getattr(opt, "ready_for_gradients", False)), earlier)
 
 
-def _permanent(engine: Any, opt: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
+def _permanent(opt: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
     """Why the aborted attempt may have changed the window for good, or None.
     No ``attempt``: DeepSpeed's prologue did not finish (it raised, e.g. the
     compiled-autograd refusal), so none of the engine's gradients was reached."""
@@ -134,8 +134,9 @@ def _permanent(engine: Any, opt: Any, attempt: Attempt | None, drains: Drains | 
         return "a reduction bucket was reduced during it, into the window's accumulated gradients"
     if zero and not drains.watched and reached:
         return "it reached gradients of a ZeRO optimizer whose reductions graphscale cannot watch"
-    adds_on = not zero or not getattr(opt, "partition_gradients", True) or hasattr(opt, "fp32_groups_has_gradients")
-    if reached and attempt.earlier and (adds_on or getattr(opt, "use_grad_accum_attribute", False)):
+    adds_on = _keeps_window_in_grad(opt) or hasattr(opt, "fp32_groups_has_gradients") or getattr(
+        opt, "use_grad_accum_attribute", False)  # (bf16's fp32 accumulators; ZeRO 1's grad_accum)
+    if reached and attempt.earlier and adds_on:
         return "torch added the gradients it reached onto .grad, which holds this window's earlier micro-steps"
     return None
 
@@ -166,7 +167,7 @@ def discard(engine: Any, attempt: Attempt | None, drains: Drains | None) -> str 
     attempt's state off ``engine``; return why it may have changed the
     window for good (the engine must fail closed), or None (a clean retry)."""
     opt: Any = getattr(engine, "optimizer", None)
-    why = _permanent(engine, opt, attempt, drains)
+    why = _permanent(opt, attempt, drains)
     engine._manual_backward_expected = False  # (what DeepSpeed's post-backward hook clears)
     if is_zero_optimizer(opt):
         state = getattr(opt, "_backward_hook_state", None)
