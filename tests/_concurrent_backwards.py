@@ -14,6 +14,7 @@ setting and one line per mismatch; exit status 0 when nothing mismatched.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -196,20 +197,46 @@ def governed_separate_graphs(w: World, fa: float, fb: float) -> list[str]:
     return errors
 
 
+def several_factors_on_one_shared_graph(w: World, fa: float, fb: float) -> list[str]:
+    """One shared graph reaching A and B (several factors: the plan puts edge
+    multipliers on its nodes), every thread on it at once: governed
+    ``backward(retain_graph=True)``, some with ``inputs=``, and ungoverned
+    ``torch.autograd.grad`` over the same nodes, which must see no multiplier."""
+    h = torch.tanh(w.A(w.x))
+    out = (w.B(h) * 0.5).sum() + h.pow(2).sum()
+    pa, pb = list(w.A.parameters()), list(w.B.parameters())
+    plain = torch.autograd.grad(out, pa + pb, retain_graph=True)
+    got: list[tuple[torch.Tensor, ...]] = []
+    n_bw = THREADS // 2 + 1
+    work = [lambda: out.backward(retain_graph=True)] * (n_bw - 1) + [
+        lambda: torch.autograd.backward(out, inputs=pa + pb, retain_graph=True)] + [
+        lambda: got.append(torch.autograd.grad(out, pa + pb, retain_graph=True))] * (THREADS - n_bw)
+    errors = run_threads(work)
+    for k, g in enumerate(got):
+        errors += [e for i, p in enumerate(g) for e in close(f"autograd.grad #{k} [{i}]", p, plain[i])]
+    for i, p in enumerate(pa + pb):
+        f = fa if i < len(pa) else fb
+        errors += close(f"{'AB'[i >= len(pa)]}[{i}].grad", p.grad, n_bw * f * plain[i])
+    return errors
+
+
 SCENARIOS: dict[str, Callable[[World, float, float], list[str]]] = {
     "multi-grad all hook, inputs=, custom Function (issue 38)": multi_grad_all_hook_inputs,
     "hooks of every kind on one shared ungoverned graph": hooks_on_one_shared_graph,
     "governed and ungoverned backwards on one shared governed graph": governed_shared_graph,
     "governed backwards on separate graphs, mixed factors": governed_separate_graphs,
+    "several factors on one shared graph, governed and ungoverned": several_factors_on_one_shared_graph,
 }
 SETTINGS = [(groups, route) for groups in ("one group", "two groups") for route in ("native", "python")]
+PYTHON_SETTINGS = [s for s in SETTINGS if s[1] == "python"]  # GRAPHSCALE_WALKER=python: no native module
 
 
 def main(name: str) -> int:
     scenario, failures = SCENARIOS[name], 0
     torch.set_default_dtype(torch.double)  # here, not at import: the test module imports this file
     sys.setswitchinterval(1e-6)  # threads interleave inside every hook and every Python step
-    for groups, route in SETTINGS:
+    disabled = os.environ.get("GRAPHSCALE_WALKER", "").strip().lower() == "python"
+    for groups, route in PYTHON_SETTINGS if disabled else SETTINGS:
         print("start", groups, route, flush=True)
         w = World()
         _route.enabled = route == "native"

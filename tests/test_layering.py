@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_native.build",),
     ("_native",),
     # _backward/: the governed backward
-    ("_backward", "_backward.dynamo", "_backward.frames", "_backward.hooks"),
+    ("_backward", "_backward.dynamo", "_backward.frames", "_backward.hooks", "_backward.sharing"),
     ("_backward.running", "_backward.hints"),
     ("_backward.call", "_backward.pyplan", "_backward.unreached"),
     ("_backward.decide",),

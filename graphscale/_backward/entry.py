@@ -83,6 +83,7 @@ from .._core import snapshot as _snapshot
 from . import frames as _frames
 from . import python_route as _python_route
 from . import route as _route
+from . import sharing as _sharing
 from .call import ORIGINAL_BACKWARD, BackwardCall
 
 __all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
@@ -112,6 +113,7 @@ def patch(on: bool) -> None:
     with _patch_lock:
         if on:
             torch.autograd.backward = governed_backward
+            torch.autograd.grad = _sharing.governed_grad  # NOTE [ Hooks on shared nodes ]
         elif _top_level_running == 0 and torch.autograd.backward is governed_backward:
             _unpatch()
 
@@ -131,6 +133,8 @@ def when_unpatched(fn: Callable[[], None]) -> None:
 
 def _unpatch() -> None:
     torch.autograd.backward = ORIGINAL_BACKWARD
+    if torch.autograd.grad is _sharing.governed_grad:
+        torch.autograd.grad = _sharing.ORIGINAL_GRAD
     for fn in _when_unpatched:
         fn()
 
@@ -181,7 +185,8 @@ def governed_backward(
 def _top_level(call: BackwardCall) -> None:
     state = _snapshot.installed
     if state is None or call.roots is None:  # removed meanwhile, or malformed: torch raises its own error
-        return call.run(None)
+        with _sharing.hold(False):  # (a backward begun before remove() may still hook)
+            return call.run(None)
     return govern(call, state, None)
 
 

@@ -25,6 +25,7 @@ from .._core.snapshot import Reading
 from . import decide as _decide
 from . import route as _route
 from . import running as _running
+from . import sharing as _sharing
 from .call import BackwardCall
 from .frames import CARRIES_ATTR, Frame
 from .hooks import post_hook
@@ -82,12 +83,31 @@ class _Backward:
         if self.laps:
             self.laps(phase)
 
-    def run(self, seeds: Any = None, hooks: bool = True, potential: float | None = None) -> None:
-        """The original backward with ``seeds``, bound as :func:`running.binding_for` says."""
+    def run(self, seeds: Any = None, potential: float | None = None, plan: Any = None,
+            edge_hooks: Sequence[tuple[Any, Any]] = ()) -> None:
+        """The original backward with ``seeds``, bound as :func:`running.binding_for`
+        says; with ``plan`` registered for nested backwards and ``edge_hooks``
+        ((node, multipliers) pairs) on their nodes while it runs, taken off in
+        ``finally``; holding the lock of NOTE [ Hooks on shared nodes ]."""
         native = _running.native  # a fast path's nested backwards are planned with the snapshot's Governor there
         governor = None if potential is None or native is None else _route.governor(native, self.reading.state)
+        hooks = True if plan is None else plan.tensor_hooks
         binding = _running.binding_for(self.reading, hooks, potential, self.on_failure, governor)
-        self.call.run(binding, seeds, self.laps)
+        with _sharing.hold(bool(edge_hooks) or _running.binds_shared_nodes(binding)):
+            if plan is None:
+                return self.call.run(binding, seeds, self.laps)
+            handles = []
+            try:
+                for node, mults in edge_hooks:
+                    handles.append(node.register_hook(post_hook(mults, self.laps)))
+                with _running.running_plan(plan, self.reading):
+                    self.lap("hooks on")
+                    self.call.run(binding, seeds, self.laps)
+            finally:
+                for h in handles:
+                    h.remove()
+                self.lap("hooks off")
+        return None
 
 
 def run_top_level(call: BackwardCall, reading: Reading, frame: Frame) -> None:
@@ -176,18 +196,7 @@ def _run_plan(b: _Backward, plan: Any) -> None:
     # else nothing to scale or hook (the usual nested backward, NOTE [ Checkpoint hints ] in hints.py)
     if _log.isEnabledFor(logging.DEBUG) and not _observation.quiet():
         _debug_plan(b, plan, multiplications)
-    handles = []
-    try:
-        if edge_mults:
-            for node, mults_ in plan.hooks():
-                handles.append(node.register_hook(post_hook(mults_, b.laps)))
-        with _running.running_plan(plan, b.reading):
-            b.lap("hooks on")
-            b.run(seeds, plan.tensor_hooks)
-    finally:
-        for h in handles:
-            h.remove()
-        b.lap("hooks off")
+    b.run(seeds, plan=plan, edge_hooks=plan.hooks() if edge_mults else ())
 
 
 def _debug_plan(b: _Backward, plan: Any, multiplications: int) -> None:

@@ -23,11 +23,12 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from .._core import registry as _registry
 from .._core.snapshot import Reading, State
 from . import frames as _frames
+from . import sharing as _sharing
 from .frames import compiled_autograd_active
 
 __all__ = [
-    "use_native", "native", "Binding", "binding_for", "reference_binding", "bound", "task_binding",
-    "task_reading", "running_plan", "running", "enclosing_phi", "find_enclosing",
+    "use_native", "native", "binds_shared_nodes", "Binding", "binding_for", "reference_binding", "bound",
+    "task_binding", "task_reading", "running_plan", "running", "enclosing_phi", "find_enclosing",
 ]
 
 native: Any = None  # the native module the running state is kept in (use_native), or None: the Python one
@@ -88,10 +89,19 @@ def use_native(module: Any, call_module: Any) -> bool:
         return True
     if _py_running or _by_task:
         return False
-    module.configure(_by_task, call_module, torch.nn.Parameter, torch.nn.Module, _frames.CARRIES_ATTR,
-                     _frames.innermost)
-    native = module
-    return True
+
+    def switch() -> None:
+        global native
+        module.configure(_by_task, call_module, torch.nn.Parameter, torch.nn.Module, _frames.CARRIES_ATTR,
+                         _frames.innermost)
+        native = module
+    return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
+
+
+def binds_shared_nodes(binding: Any) -> bool:
+    """Whether :func:`bound` puts ``binding`` on nodes other backwards may
+    share (the Python binding's pre-hook: NOTE [ Hooks on shared nodes ])."""
+    return binding is not None and (native is None or compiled_autograd_active())
 
 
 class Binding:

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -1292,6 +1293,85 @@ static py::object enclosing_phi(py::handle obj) {
   return py::none();
 }
 
+// NOTE [ Hooks on shared nodes ]
+// A node's hook lists are plain std::vectors that torch's engine iterates
+// with no lock and no GIL, on every thread that runs the node, and a hook on
+// a node applies to every graph task that runs it.  A backward whose plan
+// puts edge multipliers on nodes (several factors among the leaves one graph
+// reaches) adds them to those nodes' post-hooks and removes them after: were
+// another backward running over the same nodes at that moment, on another
+// thread (retain_graph, one graph), it would read the vector while it moves
+// (SIGSEGV: 5 threads on one two-factor graph died within 40 rounds) and
+// take those multipliers as its own (wrong gradients, on both routes).  So
+// every top-level backward graphscale sees (governed, untouched, and every
+// torch.autograd.grad while installed: graphscale/_backward/sharing.py)
+// holds this process-wide lock while torch runs it: shared by a backward
+// that changes no shared node, exclusive by one that hooks nodes.  Backwards
+// over separate graphs, and every backward of a graph with one factor, run
+// together as before; one that hooks runs alone.  A backward called from
+// inside a running graph task (reentrant checkpointing's recompute) takes
+// nothing: the backward it runs inside holds the lock for it, and waiting
+// there could wait for itself.  The nodes such a nested backward hooks are
+// those of the graph its node built, which no other backward reaches.  A
+// waiting thread lets go of the GIL; an exclusive waiter stops new shared
+// holders (a stream of overlapping backwards on other threads cannot starve
+// it).  The Python route holds the same lock (hold() below) once this
+// module is loaded, and a lock of its own before (sharing.py).
+struct HookLock {
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t shared = 0;
+  int64_t waiting = 0;  // exclusive waiters
+  bool exclusive = false;
+};
+HookLock hook_lock;
+
+struct Hold {
+  bool exclusive = false;
+  bool held = false;
+
+  explicit Hold(bool exclusive_) : exclusive(exclusive_) {}
+  Hold(const Hold&) = delete;
+  Hold& operator=(const Hold&) = delete;
+  ~Hold() { leave(); }
+
+  bool free_now() const {
+    return !hook_lock.exclusive && (exclusive ? hook_lock.shared == 0 : hook_lock.waiting == 0);
+  }
+  void take() { exclusive ? (void)(hook_lock.exclusive = true) : (void)++hook_lock.shared; }
+
+  // Call with the GIL held; returns with it held.
+  void enter() {
+    if (held || torch::autograd::get_current_graph_task_id() >= 0) return;
+    {
+      std::lock_guard<std::mutex> lock(hook_lock.mu);
+      if (free_now()) {
+        take();
+        held = true;
+        return;
+      }
+    }
+    py::gil_scoped_release nogil;  // the holder may need it to finish
+    std::unique_lock<std::mutex> lock(hook_lock.mu);
+    if (exclusive) ++hook_lock.waiting;
+    hook_lock.cv.wait(lock, [this] {
+      return !hook_lock.exclusive && (exclusive ? hook_lock.shared == 0 : hook_lock.waiting == 0);
+    });
+    if (exclusive) --hook_lock.waiting;
+    take();
+    held = true;
+  }
+  void leave() {
+    if (!held) return;
+    held = false;
+    {
+      std::lock_guard<std::mutex> lock(hook_lock.mu);
+      exclusive ? (void)(hook_lock.exclusive = false) : (void)--hook_lock.shared;
+    }
+    hook_lock.cv.notify_all();
+  }
+};
+
 // Everything one governed backward added, taken back when it goes out of
 // scope (normal return or exception); runs with the GIL held.
 struct Undo {
@@ -1488,7 +1568,9 @@ static bool make_seeds(Apply& a, Outcome* oc) {
 
 static void run_applied(Apply& a, Outcome* oc) {
   auto t0 = Clock_::now();
-  Undo undo;
+  Hold hold(a.plan != nullptr && !a.plan->hook_nodes.empty());  // NOTE [ Hooks on shared nodes ]
+  hold.enter();
+  Undo undo;  // (unhooks before `hold` lets go)
   undo.off_ns = &oc->ns[5];
   if (a.plan != nullptr) {
     const NativePlan& P = *a.plan;
@@ -1790,6 +1872,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         self.roots = py::tuple();  // the BindNode goes with the last reference to them
       });
   m.def("bound", &make_bound);
+  py::class_<Hold>(m, "Hold", py::module_local())  // NOTE [ Hooks on shared nodes ], for the Python route
+      .def(py::init<bool>())
+      .def("__enter__", [](Hold& self) { self.enter(); })
+      .def("__exit__", [](Hold& self, py::args) { self.leave(); });
   m.def("govern_nested", &govern_nested);
 #ifdef GRAPHSCALE_TEST_SEAMS
   m.attr("seams") = true;

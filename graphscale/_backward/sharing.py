@@ -1,0 +1,125 @@
+"""Backwards that share nodes: the one lock that lets a backward change a
+node's hooks while no other backward runs over it (NOTE [ Hooks on shared
+nodes ] in ``_native/walker.cpp``, where the native route takes it).
+
+Every top-level backward graphscale sees holds the lock while torch runs it:
+shared where it changes no node another backward may run, exclusive where
+it does (edge multipliers on nodes; the Python binding's pre-hook on a root
+node, ``running.bound`` without the native module).  While graphscale is
+installed, ``torch.autograd.grad`` is wrapped to hold it shared too
+(:func:`governed_grad`), so an ungoverned ``autograd.grad`` over a graph a
+governed backward is hooking waits for it.  The native module keeps the
+lock once it is loaded; until then this module keeps one of its own with the
+same rules, and :func:`use_native` switches only while no one holds it.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["hold", "use_native", "governed_grad", "ORIGINAL_GRAD"]
+
+ORIGINAL_GRAD: Callable[..., Any] = torch.autograd.grad
+
+
+class _Lock:
+    """The lock until the native module is loaded: many shared holders or
+    one exclusive; an exclusive waiter stops new shared holders."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.shared = 0
+        self.waiting = 0
+        self.exclusive = False
+
+    def acquire(self, exclusive: bool) -> None:
+        with self.cond:
+            if exclusive:
+                self.waiting += 1
+                self.cond.wait_for(lambda: not self.exclusive and self.shared == 0)
+                self.waiting -= 1
+                self.exclusive = True
+            else:
+                self.cond.wait_for(lambda: not self.exclusive and self.waiting == 0)
+                self.shared += 1
+
+    def release(self, exclusive: bool) -> None:
+        with self.cond:
+            if exclusive:
+                self.exclusive = False
+            else:
+                self.shared -= 1
+            self.cond.notify_all()
+
+
+_lock = _Lock()
+_native: Any = None  # the native module, whose lock everyone holds from use_native on
+
+
+class _Hold:
+    """Hold this module's lock, or the native one where it took over while
+    this one waited."""
+
+    __slots__ = ("exclusive", "inner")
+
+    def __init__(self, exclusive: bool) -> None:
+        self.exclusive = exclusive
+        self.inner: Any = None
+
+    def __enter__(self) -> None:
+        _lock.acquire(self.exclusive)
+        native = _native
+        if native is not None:  # switched before this thread got the lock
+            _lock.release(self.exclusive)
+            inner = native.Hold(self.exclusive)
+            inner.__enter__()
+            self.inner = inner
+
+    def __exit__(self, *exc: object) -> None:
+        if self.inner is not None:
+            self.inner.__exit__(None, None, None)
+        else:
+            _lock.release(self.exclusive)
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
+
+
+def hold(exclusive: bool) -> Any:
+    """A context manager holding the lock, ``exclusive`` or shared; nothing
+    inside a running graph task (its backward holds it)."""
+    if torch._C._current_graph_task_id() >= 0:
+        return _NOTHING
+    native = _native
+    return native.Hold(exclusive) if native is not None else _Hold(exclusive)
+
+
+def use_native(module: Any, switch: Callable[[], None]) -> bool:
+    """Hand the lock to ``module`` and call ``switch()``, if no one holds
+    this module's lock now (else False: nothing changed)."""
+    global _native
+    with _lock.cond:
+        if _lock.shared or _lock.exclusive or _lock.waiting:
+            return False
+        switch()
+        _native = module
+        return True
+
+
+@functools.wraps(ORIGINAL_GRAD)
+def governed_grad(*args: Any, **kwargs: Any) -> Any:  # noqa: D103 - torch's docstring (wraps)
+    with hold(False):
+        return ORIGINAL_GRAD(*args, **kwargs)
