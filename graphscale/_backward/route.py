@@ -71,7 +71,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -89,7 +89,7 @@ from .hints import checkpoint_hint_positions
 from .unreached import warn_unreached_groups
 
 __all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "top_level", "nested",
-           "trusted", "self_test"]
+           "trusted", "self_test", "register_self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -273,8 +273,18 @@ def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_gr
 _trust_lock = threading.RLock()
 _verdicts: dict[int, tuple[Any, bool]] = {}  # id(native module) -> (the module, whether it passed)
 _testing = threading.local()  # .native: the module this thread's self-test runs
-_self_test: Any = None  # graphscale._backward.selftest.failure, registered from above at import (it runs both routes)
+_self_test: Callable[[Any], str | None] | None = None  # register_self_test's (selftest.failure)
 _passed: Any = None  # the last native module that passed (decline_reason's fast check)
+
+
+def register_self_test(failure: Callable[[Any], str | None]) -> None:
+    """Make ``failure`` NOTE [ The native route's self-test ]: ``failure(native)``
+    runs the fixed program through both routes and returns what failed, or
+    None.  ``_backward/selftest.py`` registers it at import: it runs both
+    routes, so it sits above this module and this module cannot import it."""
+    global _self_test
+    with _trust_lock:
+        _self_test = failure
 
 
 def trusted(native: Any) -> bool:
