@@ -29,7 +29,7 @@ reads ``sys.modules``, never imports deepspeed.
 #     started stays governed if remove() runs inside it.  The descriptors come off with
 #     graphscale's patch of torch.autograd.backward (hooks.py redirect_off);
 #   * the loss division: engine.backward is shadowed by a function that calls
-#     DeepSpeed's with scale_wrt_gas=False inside _running.engine_backward(...),
+#     DeepSpeed's with scale_wrt_gas=False inside engine_backward(...) (_backward/frames.py),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
 # Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
 # reduction hooks, timers) runs untouched, once per backward (NOTE [ One
