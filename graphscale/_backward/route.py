@@ -88,8 +88,8 @@ from .frames import Frame, compiled_autograd_active
 from .hints import checkpoint_hint_positions
 from .unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "top_level", "nested",
-           "trusted", "self_test", "register_self_test"]
+__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "govern_natively",
+           "govern_nested_natively", "trusted", "self_test", "register_self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -203,7 +203,7 @@ def _observed(stats: Any, laps: Laps | None, debug: bool, reading: Reading | Non
                    "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, what)
 
 
-def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = None) -> bool:
+def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: Any = None) -> bool:
     """Govern the top-level backward ``call`` in one native call (the loaded
     native module, or ``native``); False where the native route does not
     take it (NOTE [ Which route governs a backward ]: the reason counted,
@@ -228,7 +228,8 @@ def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = 
 
 
 
-def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool, current_node: Any) -> bool:
+def govern_nested_natively(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
+                           current_node: Any) -> bool:
     """Govern a plain nested backward (NOTE [ Nested backward ] in entry.py;
     roots a tensor, an edge, or a tuple or list of them; seeds None, a
     tensor, or a tuple or list of them; no ``inputs=``): the call a reentrant
