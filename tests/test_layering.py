@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_adapters", "_adapters.deepspeed.reads", "_adapters.fsdp"),
     ("_adapters.deepspeed.checks", "_adapters.deepspeed.hooks", "_adapters.deepspeed.failed",
      "_adapters.deepspeed.compiled"),
-    ("_adapters.deepspeed.engine",),
+    ("_adapters.deepspeed.engine", "_adapters.deepspeed.watch"),
     ("_adapters.deepspeed",),
     # the face
     ("observe",),
