@@ -20,7 +20,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 #   _core/snapshot.State.read       the factors, one per group, through
 #   _core/group.Group.pin           each group's gas or factor (and loss scale)
 #   route.top_level                 one native call, Governor.top
-#                                   (_native/walker.cpp): decide, walk, plan,
+#                                   (_native/govern.h): decide, walk, plan,
 #                                   seeds, hooks, bind, register, then
 #   torch.autograd.backward         as torch defined it.
 # A nested backward (a reentrant checkpoint's recompute):
@@ -64,7 +64,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 # detached inputs through which checkpointing returns gradients to the outer
 # graph) pinned to p, so the node hands back gradients at p as the outer plan
 # expects.  The outer plan is found through a process-wide registry keyed by
-# node (NOTE [ One running state, both routes ] in _native/walker.cpp), not
+# node (NOTE [ One running state, both routes ] in _native/registry.h), not
 # through thread-local state: CUDA backward runs nodes on autograd worker
 # threads.  Inside a backward that was not planned (the fast path, or left
 # alone), a nested backward is planned from the potential its graph task is
@@ -200,7 +200,7 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
         with _frames.top_level(laps) as frame:  # NOTE [ A backward that raised ] in frames.py
             reading = state.read(frame.scaling)  # may raise: nothing touched yet
             if _route.top_level(call, reading, frame, native):
-                return None  # NOTE [ One native call per backward ] in _native/walker.cpp
+                return None  # NOTE [ One native call per backward ] in _native/registry.h
             return _python_route.run_top_level(call, reading, frame)
     finally:
         _leave()
