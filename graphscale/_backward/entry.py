@@ -113,7 +113,7 @@ def patch(on: bool) -> None:
     with _patch_lock:
         if on:
             torch.autograd.backward = governed_backward
-            torch.autograd.grad = _sharing.governed_grad  # NOTE [ Hooks on shared nodes ]
+            _sharing.wrap_grad(True)  # NOTE [ Hooks on shared nodes ]
         elif _top_level_running == 0 and torch.autograd.backward is governed_backward:
             _unpatch()
 
@@ -133,8 +133,7 @@ def when_unpatched(fn: Callable[[], None]) -> None:
 
 def _unpatch() -> None:
     torch.autograd.backward = ORIGINAL_BACKWARD
-    if torch.autograd.grad is _sharing.governed_grad:
-        torch.autograd.grad = _sharing.ORIGINAL_GRAD
+    _sharing.wrap_grad(False)
     for fn in _when_unpatched:
         fn()
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["hold", "use_native", "governed_grad", "ORIGINAL_GRAD"]
+__all__ = ["hold", "use_native", "governed_grad", "wrap_grad", "ORIGINAL_GRAD"]
 
 ORIGINAL_GRAD: Callable[..., Any] = torch.autograd.grad
 
@@ -119,10 +119,24 @@ def use_native(module: Any, switch: Callable[[], None]) -> bool:
         return True
 
 
+_grad_before: Callable[..., Any] = ORIGINAL_GRAD  # what torch.autograd.grad was when wrap_grad() ran
+
+
 @functools.wraps(ORIGINAL_GRAD)
 def governed_grad(*args: Any, **kwargs: Any) -> Any:  # noqa: D103 - torch's docstring (wraps)
     with hold(False):
-        return ORIGINAL_GRAD(*args, **kwargs)
+        return _grad_before(*args, **kwargs)
+
+
+def wrap_grad(on: bool) -> None:
+    """Make ``torch.autograd.grad`` :func:`governed_grad` around whatever it
+    is now (``on``: another library's wrapper stays inside), or put that back."""
+    global _grad_before
+    if on and torch.autograd.grad is not governed_grad:
+        _grad_before = torch.autograd.grad
+        torch.autograd.grad = governed_grad
+    elif not on and torch.autograd.grad is governed_grad:
+        torch.autograd.grad = _grad_before
 
 
 def _known_to_torchscript() -> None:
