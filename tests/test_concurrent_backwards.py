@@ -8,7 +8,7 @@ on one shared graph, and the native module bound each backward's graph task
 by inserting a hook into the root node's tensor pre-hooks (and erasing it
 after), a vector torch's engine iterates on the other threads with no lock
 (NOTE [ Binding without touching a shared node ] in
-graphscale/_native/walker.cpp).
+graphscale/_native/bind.h).
 
 Each case runs one scenario of tests/_concurrent_backwards.py in a child
 process: many threads, 40 rounds in each of four settings (one group or
@@ -20,7 +20,7 @@ graph runs through a custom Function, so that its backwards are bound);
 the separate-graphs case passed there (each thread's nodes are its own).
 
 The last scenario, several factors on one shared graph (the plan hooks
-shared nodes; NOTE [ Hooks on shared nodes ] in walker.cpp), died of SIGSEGV
+shared nodes; NOTE [ Hooks on shared nodes ] in hooks.h), died of SIGSEGV
 in its first round on the native route before that lock, and gave relative
 errors of 0.75-0.81 on the Python route (ungoverned ``autograd.grad`` threads
 took the governed backward's multipliers).

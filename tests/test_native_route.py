@@ -1,5 +1,5 @@
 """The native route (graphscale/_backward/route.py, NOTE [ One native call per
-backward ] in graphscale/_native/walker.cpp) against the Python route, the
+backward ] in graphscale/_native/registry.h) against the Python route, the
 reference: the same gradients, bit for bit, and the same walks on the
 property tests' random programs and on the shapes that take each branch
 (left alone, fast path, planned, nested); and nothing left behind when a

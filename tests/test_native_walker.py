@@ -26,6 +26,7 @@ import graphscale
 from graphscale import _native
 from graphscale._backward import decide as _planning
 from graphscale._backward import pyplan as _pyplan
+from graphscale._core import walk as _walk
 from graphscale._core.errors import GraphscaleError
 from graphscale._core.request import PlanRequest
 from graphscale._core.snapshot import Reading, State
@@ -152,6 +153,34 @@ def test_native_plan_equals_python_plan_on_random_graphs(native: Any, seed: int)
     assert_same_plan(native, random_case(seed))
 
 
+def assert_same_probe(native: Any, roots: list[Any], state: State) -> None:
+    """The two probes (NOTE [ Fast path ]): the same verdict always; the same
+    "a custom-Function node was seen" where both walk the whole graph (no
+    owned leaf; or the fast path under a policy that had to look for
+    unowned leaves everywhere).  Where they stop early, what they saw before
+    stopping depends on the order (depth-first in Python, breadth-first in
+    C++): a node seen must then be one the graph has."""
+    want = _pyplan.probe_python(roots, state)
+    got = int(native.probe(tuple(roots), _planning.native_owners(state, native), state.policy_index,
+                           torch.nn.Parameter))
+    assert got & 3 == want & 3, f"policy {state.policy}: native verdict {got & 3}, Python {want & 3}"
+    verdict = want & 3
+    if verdict == _pyplan.PROBE_NO_OWNED or (verdict == _pyplan.PROBE_FAST and state.policy != "any"):
+        assert got & _pyplan.PROBE_HIDDEN == want & _pyplan.PROBE_HIDDEN, f"policy {state.policy}: hidden differs"
+    elif (got | want) & _pyplan.PROBE_HIDDEN:
+        graph = _walk.walk([r for r in map(_walk.root_node, roots) if r is not None])
+        assert any(isinstance(n, _walk.CUSTOM_FUNCTION) for n in graph.nodes), "a hidden node the graph lacks"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_native_probe_equals_python_probe_on_random_graphs(native: Any, seed: int) -> None:
+    """The plan parity test's graphs, under each policy."""
+    case = random_case(seed)
+    for policy in ("any", "plain_params", "plain"):
+        assert_same_probe(native, case["roots"], State.of(case["state"].groups, policy))
+
+
 def test_native_plan_equals_python_plan_on_a_large_graph(native: Any) -> None:
     """About 10^5 nodes, one chain 10^4 deep: both walks are iterative.
 
@@ -273,14 +302,24 @@ def test_bad_walker_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_an_edited_walker_source_gets_its_own_build(tmp_path: Path) -> None:
-    """The cache key hashes walker.cpp's bytes: an edit never loads a stale build."""
-    edited = tmp_path / "walker.cpp"
-    edited.write_bytes(Path(_build.SOURCE).read_bytes() + b"\n// edited\n")
-    same = tmp_path / "same.cpp"
-    same.write_bytes(Path(_build.SOURCE).read_bytes())
-    assert _build.cache_key(str(edited)) != _build.cache_key()
-    assert _build.cache_key(str(same)) == _build.cache_key()
-    assert torch.__version__.replace("-", "_") in _build.cache_key()
+    """The cache key hashes every source (walker.cpp and the headers beside
+    it): an edit of any of them never loads a stale build; a copy of all of
+    them elsewhere is the same build."""
+    sources = [Path(p) for p in _build.sources()]
+    assert len(sources) > 1 and all(p.exists() for p in sources), sources
+    for name in ("same", "edited_main", "edited_header", "header_gone"):
+        (tmp_path / name).mkdir()
+        for p in sources:
+            (tmp_path / name / p.name).write_bytes(p.read_bytes())
+    (tmp_path / "edited_main" / "walker.cpp").write_bytes(Path(_build.SOURCE).read_bytes() + b"\n// edited\n")
+    header = tmp_path / "edited_header" / sources[-1].name
+    header.write_bytes(header.read_bytes() + b"\n// edited\n")
+    (tmp_path / "header_gone" / sources[-1].name).unlink()
+    key = _build.cache_key()
+    assert _build.cache_key(str(tmp_path / "same" / "walker.cpp")) == key
+    for name in ("edited_main", "edited_header", "header_gone"):
+        assert _build.cache_key(str(tmp_path / name / "walker.cpp")) != key, name
+    assert torch.__version__.replace("-", "_") in key
 
 
 # A failed build, in a process of its own with an empty cache: CXX=/bin/false

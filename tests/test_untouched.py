@@ -36,7 +36,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import _untouched
 import pytest
@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale._backward import entry as _backward
+from graphscale._backward import sharing as _sharing
 
 POLICIES = ("plain_params", "plain", "any")
 DS_MARKS = [pytest.mark.deepspeed, require_deepspeed]
@@ -134,6 +135,26 @@ def test_backward_through_no_parameter_at_all_leaves_its_input_plain(unowned: st
     with graphscale.install(graphscale.Group(a, gas=4), unowned=unowned):
         (x * x).sum().backward()
     assert torch.equal(_grad(x), 2 * x.detach())
+
+
+def test_a_scripted_autograd_grad_compiles_and_stays_plain_while_installed() -> None:
+    """While installed, ``torch.autograd.grad`` is graphscale's (NOTE [ Hooks
+    on shared nodes ]); TorchScript must still compile a call of it to
+    ``aten::grad`` (PyTorch's own test_fork_join_in_middle failed to compile
+    before it knew the wrapper), with plain PyTorch's result."""
+    a = nn.Linear(2, 1)
+    x = torch.tensor([[1.0, -2.0]], requires_grad=True)
+    with graphscale.install(graphscale.Group(a, gas=4)):
+        assert torch.autograd.grad is not _sharing.ORIGINAL_GRAD
+
+        @torch.jit.script
+        def penalty(y: torch.Tensor, inp: torch.Tensor) -> list[Optional[torch.Tensor]]:
+            return torch.autograd.grad([y.sum()], [inp], retain_graph=True)
+
+        got = penalty(x * x * 3.0, x)[0]
+        (a(x).sum()).backward()
+    assert got is not None and torch.equal(got, 6 * x.detach())
+    assert torch.equal(_grad(a.weight), x.detach() / 4)  # the installed group still governed
 
 
 # ---------------------------------------------------------------- 2. bystanders

@@ -8,7 +8,7 @@
   the Python reference (``_backward/pyplan.py``) otherwise; both give the same plan;
 * :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
   backward ] in _backward/entry.py), found through the one running state
-  (NOTE [ One running state, both routes ] in _native/walker.cpp).
+  (NOTE [ One running state, both routes ] in _native/registry.h).
 """
 from __future__ import annotations
 

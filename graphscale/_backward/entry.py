@@ -21,12 +21,12 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 #   _core/group.read_pins           each group's Group.pin: its gas or factor
 #                                   (and loss scale)
 #   route.govern_natively           one native call, Governor.top
-#                                   (_native/walker.cpp): decide, walk, plan,
+#                                   (_native/govern.h): decide, walk, plan,
 #                                   seeds, hooks, bind, register, then
 #   torch.autograd.backward         as torch defined it.
 # A nested backward (a reentrant checkpoint's recompute):
 #   entry.governed_backward -> route.govern_nested_natively (which asks
-#   frames.compiled_autograd_active) -> govern_nested (_native/walker.cpp)
+#   frames.compiled_autograd_active) -> govern_nested (_native/govern.h)
 #   -> torch.
 # Where the native route declines (counted: NOTE [ Which route governs a
 # backward ] in route.py), route.govern_natively hands back and the Python
@@ -69,7 +69,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 # detached inputs through which checkpointing returns gradients to the outer
 # graph) pinned to p, so the node hands back gradients at p as the outer plan
 # expects.  The outer plan is found through a process-wide registry keyed by
-# node (NOTE [ One running state, both routes ] in _native/walker.cpp), not
+# node (NOTE [ One running state, both routes ] in _native/registry.h), not
 # through thread-local state: CUDA backward runs nodes on autograd worker
 # threads.  Inside a backward that was not planned (the fast path, or left
 # alone), a nested backward is planned from the potential its graph task is
@@ -118,7 +118,7 @@ def patch(on: bool) -> None:
     with _patch_lock:
         if on:
             torch.autograd.backward = governed_backward
-            torch.autograd.grad = _sharing.governed_grad  # NOTE [ Hooks on shared nodes ]
+            _sharing.wrap_grad(True)  # NOTE [ Hooks on shared nodes ]
         elif _top_level_running == 0 and torch.autograd.backward is governed_backward:
             _unpatch()
 
@@ -138,8 +138,7 @@ def when_unpatched(fn: Callable[[], None]) -> None:
 
 def _unpatch() -> None:
     torch.autograd.backward = ORIGINAL_BACKWARD
-    if torch.autograd.grad is _sharing.governed_grad:
-        torch.autograd.grad = _sharing.ORIGINAL_GRAD
+    _sharing.wrap_grad(False)
     for fn in _when_unpatched:
         fn()
 
@@ -207,7 +206,7 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
         with _frames.open_frame(laps) as frame:  # NOTE [ A backward that raised ] in frames.py
             reading = state.read(frame.scaling)  # may raise: nothing touched yet
             if _route.govern_natively(call, reading, frame, native):
-                return None  # NOTE [ One native call per backward ] in _native/walker.cpp
+                return None  # NOTE [ One native call per backward ] in _native/registry.h
             return _python_route.govern_in_python(call, reading, frame)
     finally:
         _leave()

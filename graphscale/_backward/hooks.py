@@ -1,5 +1,5 @@
 """The Python route's node hook: one edge multiplier row on one node
-(``grad_inputs[k] * m``), what ``ScaleHook`` in ``_native/walker.cpp`` does.
+(``grad_inputs[k] * m``), what ``ScaleHook`` in ``_native/hooks.h`` does.
 
 Its own module on purpose: under compiled autograd dynamo traces it into the
 captured graph (the multiplication is compiled with the rest), while every

@@ -1,6 +1,6 @@
 """The native route: a governed backward in one call into the native module.
 
-NOTE [ One native call per backward ] in ``_native/walker.cpp`` says what
+NOTE [ One native call per backward ] in ``_native/registry.h`` says what
 that call does.  Python keeps what only Python can read (the call's
 arguments, every group's factor, what the seeds carry) and the observation
 points; the rest — decide, walk, plan, scale the seeds, hook, bind, register
@@ -145,7 +145,7 @@ def governor(native: Any, state: State) -> Any:
     """The native ``Governor`` of ``state``, made once per snapshot (NOTE [
     Per-snapshot tables ] in _core/snapshot.py), or None while the running
     state cannot move to ``native`` yet (NOTE [ One running state, both
-    routes ] in _native/walker.cpp: a backward runs on the Python one)."""
+    routes ] in _native/registry.h: a backward runs on the Python one)."""
     made = state.tables.native_governor
     if made is not None and made[0] is native and _running.native is native:
         return made[1]

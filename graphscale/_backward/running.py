@@ -5,7 +5,7 @@ nested backwards read, and the registry of walked plans whose backward is
 running (:func:`running_plan`, :func:`running`, :func:`enclosing_phi`),
 which nested backwards plan from.
 
-NOTE [ One running state, both routes ] (in ``_native/walker.cpp``): while
+NOTE [ One running state, both routes ] (in ``_native/registry.h``): while
 the native module is loaded (:func:`use_native`) the registry, the bindings
 and the binding hook are the native ones, for both routes and the tools; the
 Python equivalents here run only where it is not, and the Python binding
@@ -48,7 +48,7 @@ native: Any = None  # the native module the running state is kept in (use_native
 # hook: a plan that saw no tensor hook anywhere binds nothing).  Natively it
 # is a node of the backward's own put in front of the roots (torch is handed
 # GradientEdges to it), never a hook on a node other backwards share: NOTE [
-# Binding without touching a shared node ] in _native/walker.cpp; the Python
+# Binding without touching a shared node ] in _native/bind.h; the Python
 # one (no such node in Python) replaces a root that is itself an engine's
 # output by a view of itself, whose node is new, and puts a node pre-hook on
 # the other roots.  The graph task id is what every thread

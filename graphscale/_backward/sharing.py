@@ -1,6 +1,6 @@
 """Backwards that share nodes: the one lock that lets a backward change a
 node's hooks while no other backward runs over it (NOTE [ Hooks on shared
-nodes ] in ``_native/walker.cpp``, where the native route takes it).
+nodes ] in ``_native/hooks.h``, where the native route takes it).
 
 Every top-level backward graphscale sees holds the lock while torch runs it:
 shared where it changes no node another backward may run, exclusive where
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["hold", "use_native", "governed_grad", "ORIGINAL_GRAD"]
+__all__ = ["hold", "use_native", "governed_grad", "wrap_grad", "ORIGINAL_GRAD"]
 
 ORIGINAL_GRAD: Callable[..., Any] = torch.autograd.grad
 
@@ -119,7 +119,42 @@ def use_native(module: Any, switch: Callable[[], None]) -> bool:
         return True
 
 
+_grad_before: Callable[..., Any] = ORIGINAL_GRAD  # what torch.autograd.grad was when wrap_grad() ran
+
+
 @functools.wraps(ORIGINAL_GRAD)
 def governed_grad(*args: Any, **kwargs: Any) -> Any:  # noqa: D103 - torch's docstring (wraps)
     with hold(False):
-        return ORIGINAL_GRAD(*args, **kwargs)
+        return _grad_before(*args, **kwargs)
+
+
+def wrap_grad(on: bool) -> None:
+    """Make ``torch.autograd.grad`` :func:`governed_grad` around whatever it
+    is now (``on``: another library's wrapper stays inside), or put that back."""
+    global _grad_before
+    if on and torch.autograd.grad is not governed_grad:
+        _grad_before = torch.autograd.grad
+        torch.autograd.grad = governed_grad
+    elif not on and torch.autograd.grad is governed_grad:
+        torch.autograd.grad = _grad_before
+
+
+def _known_to_torchscript() -> None:
+    """TorchScript compiles a call of ``torch.autograd.grad`` to ``aten::grad``
+    by the function's identity (torch.jit._builtins): the wrapped one must
+    be known there too, or a ``torch.jit.script`` function calling it fails
+    to compile while graphscale is installed (PyTorch's own
+    ``test_fork_join_in_middle`` did).  A scripted call runs the engine from
+    C++, outside this lock."""
+    try:
+        from torch.jit import _builtins
+        if getattr(_builtins, "_builtin_table", None) is None:
+            _builtins._builtin_ops.append((governed_grad, "aten::grad"))  # read when the table is made
+        else:
+            _builtins._register_builtin(governed_grad, "aten::grad")
+    except (ImportError, AttributeError):  # a torch that moved it: scripted autograd.grad fails loudly there
+        pass
+
+
+_known_to_torchscript()
+

@@ -10,8 +10,9 @@ NOTE [ Native walker cache ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Where: ``$GRAPHSCALE_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/graphscale``;
 one directory per key (:func:`cache_key`): torch version, Python cache tag,
-machine, torch's C++ ABI flag and a hash of ``walker.cpp``'s bytes and the
-compiler flags.  An edited ``walker.cpp``, another torch or another
+machine, torch's C++ ABI flag and a hash of the sources (``walker.cpp`` and
+the headers beside it: :func:`sources`) and the compiler flags.  An edited
+source, another torch or another
 interpreter gets its own build; nothing is ever rebuilt over a build another
 key uses.  Per key::
 
@@ -52,22 +53,8 @@ from contextlib import contextmanager, suppress
 from typing import Any, Callable, NamedTuple
 
 __all__ = [
-    "CACHE_ENV",
-    "SANITIZE_ENV",
-    "MODULE_NAME",
-    "Variant",
-    "RELEASE",
-    "SEAMS",
-    "SOURCE",
-    "BuildError",
-    "Built",
-    "cache_root",
-    "cache_key",
-    "key_dir",
-    "built_path",
-    "import_built",
-    "build",
-    "main",
+    "CACHE_ENV", "SANITIZE_ENV", "MODULE_NAME", "Variant", "RELEASE", "SEAMS", "SOURCE", "BuildError", "Built",
+    "cache_root", "cache_key", "sources", "key_dir", "built_path", "import_built", "build", "main",
 ]
 
 CACHE_ENV = "GRAPHSCALE_CACHE"
@@ -149,13 +136,14 @@ def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
 
     Anything that changes the compiled library or what it links against is in
     it: torch's version, the interpreter (cache tag), the machine, torch's C++
-    ABI flag, and a hash of the source's bytes and the compiler flags.
+    ABI flag, and a hash of the sources' names and bytes and the compiler flags.
     """
     import torch
 
     digest = hashlib.sha256()
-    with open(source, "rb") as f:
-        digest.update(f.read())
+    for path in sources(source):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
     digest.update(repr((variant.cflags, variant.ldflags) if variant.ldflags else variant.cflags).encode())
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False)))
     parts = (
@@ -167,6 +155,12 @@ def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
     )
     key = "-".join(_safe(p) for p in parts) + ("" if variant == RELEASE else "-" + variant.module_name)
     return key + ("-" + variant.suffix if variant.suffix else "")
+
+
+def sources(source: str = SOURCE) -> list[str]:
+    """``source`` and the ``*.h`` beside it: the one translation unit it includes."""
+    folder = os.path.dirname(os.path.abspath(source))
+    return [source] + sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".h"))
 
 
 def key_dir(source: str = SOURCE, variant: Variant = RELEASE) -> str:

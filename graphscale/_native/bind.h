@@ -1,0 +1,76 @@
+// bind.h: binding a backward's graph task to its snapshot with a node of its
+// own in front of the roots (BindNode).  Python twin: _PyBound in
+// graphscale/_backward/running.py.
+// Included once, in order, by walker.cpp (one translation unit).
+#pragma once
+
+// What one backward's binding hooks share: the Binding, the tasks they bound.
+struct BindState {
+  PyObject* binding = nullptr;  // strong; released by Undo, with the GIL
+  std::mutex mu;
+  std::vector<int> tasks;
+};
+
+// NOTE [ Binding without touching a shared node ]
+// A graph task is bound when it runs its first node.  This used to be a
+// pre-hook put first in the root nodes' tensor_pre_hooks and erased after
+// the backward.  Those lists are plain std::vectors that torch's engine
+// iterates with no lock and no GIL (call_tensor_pre_hooks), and a root node
+// is shared by every backward of the same graph: a backward on another
+// thread (retain_graph, one graph, torch's TestMultithreadAutograd
+// test_multi_grad_all_hooks) iterated the vector while this thread inserted
+// or erased, and read a freed or moved-from hook (SIGSEGV in
+// call_tensor_pre_hooks, 7 runs in 25 of that test; issue 38).  Now the
+// binding is a node of its own, made for this one backward (BindNode): its
+// next edges are the roots' edges, its input metadata theirs, and torch is
+// handed GradientEdges to it in place of the roots.  It runs before every
+// root node, so before any output hook, as the pre-hook did; no other
+// backward can reach it, so nothing any other thread runs is changed.
+// Freed with the roots handed to torch, once the backward is over.
+namespace {
+class BindNode : public Node {
+ public:
+  BindNode(std::shared_ptr<BindState> st, torch::autograd::edge_list&& next)
+      : Node(std::move(next)), st_(std::move(st)) {
+    GS_SEAM(++bind_made; ++bind_live;)
+  }
+  ~BindNode() override { GS_SEAM(--bind_live;) }
+  std::string name() const override { return "GraphscaleBindBackward"; }
+  // Records graph task id -> Binding in graphscale._backward.running._by_task
+  // (running.py's Python hook does the same) and passes the seeds on.
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const int tid = torch::autograd::get_current_graph_task_id();
+    if (tid < 0) return std::move(grads);
+    py::gil_scoped_acquire gil;
+    PyObject* key = PyLong_FromLong(tid);
+    if (key != nullptr && st_->binding != nullptr) {
+      PyObject* dict = registry->by_task.ptr();
+      if (PyDict_Contains(dict, key) == 0 && PyDict_SetItem(dict, key, st_->binding) == 0) {
+        std::lock_guard<std::mutex> lock(st_->mu);
+        st_->tasks.push_back(tid);  // only what this binding put there is taken out again
+      }
+    }
+    Py_XDECREF(key);
+    PyErr_Clear();
+    return std::move(grads);
+  }
+
+ private:
+  std::shared_ptr<BindState> st_;
+};
+
+PyTypeObject bind_node_type{};  // its Python type (registered at import: GradientEdge needs a Python node)
+
+template <typename P>
+struct MakeNode;
+template <typename T>
+struct MakeNode<std::shared_ptr<T>> {
+  template <typename N, typename... A>
+  static std::shared_ptr<T> make(A&&... a) { return std::make_shared<N>(std::forward<A>(a)...); }
+};
+template <typename T>
+struct MakeNode<c10::intrusive_ptr<T>> {
+  template <typename N, typename... A>
+  static c10::intrusive_ptr<T> make(A&&... a) { return c10::make_intrusive<N>(std::forward<A>(a)...); }
+};
+}  // namespace

@@ -1,0 +1,97 @@
+// probe.h: the root nodes of a call, and the probe before the fast path
+// (does a backward reach an owned leaf, may it skip planning).  Python twin:
+// graphscale/_core/walk.py root_node and graphscale/_backward/decide.py probe.
+// Included once, in order, by walker.cpp (one translation unit).
+#pragma once
+
+// Root nodes as graphscale/_core/walk.py root_node reads them: an edge's node,
+// a tensor's grad_fn, a leaf's AccumulateGrad (kept alive in `leaf_roots`:
+// the tensor holds it only weakly), or none.  False when a root is neither a
+// tensor nor an edge.
+static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
+                          std::vector<NodePtr>* leaf_roots) {
+  nodes->assign(roots.size(), nullptr);
+  for (size_t r = 0; r < roots.size(); ++r) {
+    PyObject* obj = roots[r].ptr();
+    if (THPVariable_Check(obj)) {
+      const auto& var = THPVariable_Unpack(obj);
+      if (auto fn = var.grad_fn()) {
+        (*nodes)[r] = fn.get();
+      } else if (var.requires_grad()) {
+        auto acc = torch::autograd::impl::grad_accumulator(var);
+        (*nodes)[r] = acc.get();
+        leaf_roots->push_back(std::move(acc));
+      }
+    } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 1) {  // GradientEdge(node, output_nr)
+      (*nodes)[r] = node_of(PyTuple_GET_ITEM(obj, 0));
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Before the fast path (NOTE [ Fast path ] in graphscale/_backward/entry.py): does a
+// backward of `roots` reach an owned leaf, and may it skip planning?  A
+// breadth-first walk that stops as soon as the answer is known: at the first
+// owned leaf under unowned="any"; under "plain_params" once an owned leaf and
+// an unowned nn.Parameter are both seen (else it walks everything); under
+// "plain" once an owned leaf and any unowned leaf are.  Returns 0: no owned
+// leaf, 1: the fast path is exact, 2: plan; plus 4 when a custom-Function
+// node was seen (it may run a nested backward over leaves no walk can see:
+// reentrant checkpointing; the backward then binds its task so that such a
+// nested backward is planned, NOTE [ Fast path ]).
+static int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owners, int policy,
+                       py::handle param_type) {
+  static thread_local NodeIndex index;
+  static thread_local std::vector<Node*> found;
+  static thread_local size_t last = 0;
+  index.reserve(last);
+  found.clear();
+  seed_roots(root_nodes, &index, &found);
+  bool ins, owned = false, unowned = false, hidden = false;
+  int result = -1;
+  constexpr size_t kAhead = 8;  // as in discover(): a fresh graph's walk waits on memory
+  for (size_t i = 0; i < found.size() && result < 0; ++i) {
+    if (i + kAhead < found.size()) {
+      const auto& ahead = found[i + kAhead]->next_edges();
+      if (!ahead.empty()) __builtin_prefetch(ahead.data());
+    }
+    Node* node = found[i];
+    const auto& next = node->next_edges();
+    if (next.empty() && is_accumulate_grad(node)) {
+      const auto& var = static_cast<AccumulateGrad*>(node)->variable;
+      if (owners.group(node) >= 0) {
+        owned = true;
+        if (policy == kAny) result = 1;
+      } else if (policy == kPlain || (policy == kPlainParams && is_parameter(var, param_type))) {
+        unowned = true;
+      }
+      if (owned && unowned) result = 2;
+      continue;
+    }
+    if (!hidden && is_py_node(node)) hidden = true;
+    for (const auto& e : next) {
+      Node* nxt = e.function.get();
+      if (nxt == nullptr) continue;
+      index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
+      if (ins) {
+        found.push_back(nxt);
+        __builtin_prefetch(nxt);
+        __builtin_prefetch(reinterpret_cast<const char*>(nxt) + 64);
+      }
+    }
+  }
+  last = found.size();
+  found.clear();
+  if (result < 0) result = owned ? 1 : 0;
+  return result | (hidden ? 4 : 0);
+}
+
+static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::handle param_type) {
+  const Owners& owners = owners_obj.cast<const Owners&>();
+  std::vector<Node*> root_nodes;
+  std::vector<NodePtr> leaf_roots;
+  if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
+  return probe_nodes(root_nodes, owners, policy, param_type);
+}

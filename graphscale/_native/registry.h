@@ -1,0 +1,285 @@
+// registry.h: the process-wide state of the native route: the Python
+// objects it needs (Registry, configure), a snapshot's Governor, a graph
+// task's Binding, the registry of running plans and the lookup of the plan a
+// nested backward runs inside (find_enclosing).  Python twin:
+// graphscale/_backward/running.py (Binding, running_plan, find_enclosing).
+// Included once, in order, by walker.cpp (one translation unit).
+#pragma once
+
+// ===================================================================== the governed backward, natively
+//
+// NOTE [ One native call per backward ]
+// graphscale/_backward/entry.py reads the call and the factors (Python: GAS
+// may be a callable, an engine's attribute) and graphscale/_backward/route.py
+// hands the rest to one call here: Governor.top for a top-level backward,
+// govern_nested for one called from inside a node's backward (NOTE [ Nested
+// backward ] in graphscale/_backward/entry.py).  That call decides (left
+// alone, the fast path, a plan: graphscale/_backward/decide.py decide),
+// walks and plans, scales the seeds, puts each edge multiplier on its node as
+// a C++ FunctionPostHook (ScaleHook: no Python when it fires), binds the
+// graph task (BindNode, a node of its own in front of the roots, so before
+// any output hook: NOTE [ Which snapshot an output hook obeys ] in
+// graphscale/_backward/running.py; NOTE [ Binding without touching a shared
+// node ]), registers the plan for nested backwards,
+// calls the original torch.autograd.backward, and takes every hook, binding
+// and registration back in a destructor (Undo), on every exit.  It declines
+// (returns the reason as a short str, having touched nothing) what the
+// Python route handles: a call it cannot read ("call"), a seed it cannot
+// make ("seed"), more than 64 factors ("factors").  Python declines before
+// the call what the native hooks cannot do (inputs=, compiled autograd: NOTE
+// [ Which route governs a backward ] in graphscale/_backward/route.py).  Same
+// decisions, same plans, same seeds as the Python route
+// (tests/test_native_route.py runs the suite's graphs through both).
+//
+// NOTE [ One running state, both routes ]
+// What is running is kept once, here, for both routes while this module is
+// loaded: the registry of walked plans whose backward runs (RunningEntry:
+// NativePlans, or a Python route's plan past 64 factors), the lookup of the
+// plan a nested backward runs inside (find_enclosing: the registry, else the
+// task's binding), the Binding class, and the binding node (BindNode).  The
+// Python route registers, looks up and binds through the same functions
+// (graphscale/_backward/running.py dispatches to them); running.py's Python
+// equivalents run only where this module is not loaded, and its Python
+// binding hook also under compiled autograd, which lifts Python hooks only.
+// The graph task -> Binding map is one Python dict (running._by_task) that
+// both kinds of hook write, so output hooks read one map either way.
+
+// Process-wide Python objects the route needs (native.configure, once).
+struct Registry {
+  py::object by_task;      // graphscale._backward.running._by_task: graph task id -> Binding
+  py::object call_module;  // graphscale._backward.call: ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
+  py::object param_type;   // torch.nn.Parameter
+  py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
+  py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
+};
+
+// A decline: the reason (a short str) the Python route takes the backward
+// for, having touched nothing (graphscale/_backward/route.py counts it: NOTE [ Which
+// route governs a backward ] there).
+static py::object declined(const char* why) { return py::str(why); }
+static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
+
+static void configure(py::object by_task, py::object call_module, py::object param_type, py::object module_type_,
+                      py::object carries_attr, py::object innermost) {
+  if (registry == nullptr) registry = new Registry();
+  Py_XDECREF(module_type);
+  module_type = module_type_.inc_ref().ptr();
+  *registry = Registry{by_task, call_module, param_type, carries_attr, innermost};
+}
+
+#ifdef GRAPHSCALE_TEST_SEAMS
+// The test build only (graphscale/_native/build.py, variant "seams";
+// tests/_seams.py loads it): hooks made and alive of each kind, ScaleHook
+// calls (hook_tally); the ScaleHook call that takes inject_failure_in to 0
+// throws (0: none does); may_bind False: no graph task is bound (tests that
+// break the binding on purpose).
+static std::atomic<int64_t> inject_failure_in{0};
+static std::atomic<int64_t> scale_made{0}, scale_live{0}, bind_made{0}, bind_live{0}, scale_calls{0};
+static std::atomic<bool> may_bind{true};
+#define GS_SEAM(...) __VA_ARGS__
+#else
+#define GS_SEAM(...)
+#endif
+
+using Clock_ = std::chrono::steady_clock;
+static int64_t ns_since(Clock_::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock_::now() - t0).count();
+}
+
+// What a natively governed backward's snapshot contributes (one per
+// snapshot, kept in its tables): its owners, policy, checkpoint hint (node ->
+// group position or None), whether it governs objects with output hooks, and
+// the callable that warns about groups a backward missed.
+struct Governor {
+  py::object owners_obj;
+  const Owners* owners = nullptr;
+  int policy = kAny;
+  py::object hint;
+  bool hook_owners = false;
+  py::object warn;
+  std::unique_ptr<HintCache> hints = std::make_unique<HintCache>();
+  Governor(py::object owners_, int policy_, py::object hint_, bool hook_owners_, py::object warn_)
+      : owners_obj(owners_), owners(&owners_.cast<const Owners&>()), policy(policy_), hint(hint_),
+        hook_owners(hook_owners_), warn(warn_) {
+    if (policy < kAny || policy > kPlain) throw std::invalid_argument("graphscale: unknown unowned policy");
+  }
+};
+
+// A running graph task's binding (NOTE [ Which snapshot an output hook
+// obeys ] in graphscale/_backward/running.py; NOTE [ One running state, both
+// routes ]): the Reading that governs the task; where no plan of it exists,
+// the potential everything in it carries (None: nested backwards are left
+// alone; NOTE [ Fast path ] in graphscale/_backward/entry.py), with the
+// snapshot's Governor and the factors to plan them natively; `once` and
+// `on_failure` shared with the binding of the task it runs inside (NOTE [
+// Once per backward ] in running.py, NOTE [ A backward that raised ] in
+// graphscale/_backward/frames.py); `reference`: a reference pass (audit).
+struct Binding {
+  py::object reading;
+  py::object potential = py::none();
+  py::object once;
+  py::object on_failure;
+  bool reference = false;
+  py::object governor = py::none();
+  std::vector<double> factors;
+};
+
+// The binding of the graph task this thread runs a node of (borrowed), or nullptr.
+static PyObject* current_binding() {
+  PyObject* dict = registry->by_task.ptr();
+  if (PyDict_GET_SIZE(dict) == 0) return nullptr;
+  const int tid = torch::autograd::get_current_graph_task_id();
+  if (tid < 0) return nullptr;
+  PyObject* key = PyLong_FromLong(tid);
+  if (key == nullptr) throw py::error_already_set();
+  PyObject* found = PyDict_GetItem(dict, key);  // borrowed; no error set
+  Py_DECREF(key);
+  return found;
+}
+
+// A new Binding, joining the one of the task this thread runs inside (its
+// `once`, `on_failure` and `reference`), else with a new `once` and the
+// given `on_failure` (where None: the innermost top-level backward's on
+// this thread, NOTE [ A backward that raised ]).
+static py::object make_binding(py::object reading, py::object potential, py::object on_failure, bool reference,
+                               py::object governor, std::vector<double> factors) {
+  Binding b;
+  b.reading = std::move(reading);
+  b.potential = std::move(potential);
+  b.governor = std::move(governor);
+  b.factors = std::move(factors);
+  b.reference = reference;
+  PyObject* enclosing = current_binding();
+  if (enclosing != nullptr) {  // a native Binding, or running.py's Python one (a reference pass)
+    py::handle e(enclosing);
+    b.once = e.attr("once");
+    b.on_failure = e.attr("on_failure");
+    b.reference = b.reference || e.attr("reference").cast<bool>();
+  } else {
+    b.once = py::reinterpret_steal<py::object>(PySet_New(nullptr));
+    b.on_failure = on_failure.is_none() ? registry->innermost() : on_failure;
+  }
+  return py::cast(std::move(b));
+}
+
+// The registry of walked plans whose backward is running, any thread,
+// innermost last (NOTE [ One running state, both routes ]).  `plan` is null
+// for a Python route's Python plan (past 64 factors: asked through
+// phi_of).  Changed and read with the GIL held only.
+//
+// A natively governed backward registers its plan as a C++ object only: no
+// Python object is made for it (making and freeing one cost about as much as
+// planning a reentrant checkpoint's block, measured); running_entries()
+// wraps one for Python when asked.
+struct RunningEntry {
+  PlanPtr plan;        // null for a Python route's Python plan
+  PyObject* plan_obj;  // strong; null for a native plan registered without a Python object
+  PyObject* reading;   // strong
+  uint64_t token;
+};
+static std::vector<RunningEntry> native_running;
+static uint64_t next_token = 1;
+
+static uint64_t push_running(PlanPtr plan, py::object plan_obj, py::object reading) {
+  const uint64_t token = next_token++;
+  native_running.push_back(RunningEntry{std::move(plan), plan_obj.release().ptr(), reading.release().ptr(), token});
+  return token;
+}
+
+static void pop_running(uint64_t token) {
+  for (size_t i = native_running.size(); i-- > 0;)
+    if (native_running[i].token == token) {
+      PlanPtr plan = std::move(native_running[i].plan);  // freed last: freeing may run Python
+      PyObject* plan_obj = native_running[i].plan_obj;
+      PyObject* reading = native_running[i].reading;
+      native_running.erase(native_running.begin() + static_cast<std::ptrdiff_t>(i));
+      Py_XDECREF(plan_obj);
+      Py_DECREF(reading);
+      return;
+    }
+}
+
+// (plan, reading) of every running entry, innermost last.
+static py::list running_entries() {
+  py::list out;
+  for (const auto& e : native_running)
+    out.append(py::make_tuple(e.plan_obj != nullptr ? py::reinterpret_borrow<py::object>(e.plan_obj) : py::cast(e.plan),
+                              py::reinterpret_borrow<py::object>(e.reading)));
+  return out;
+}
+
+// What a backward nested inside `node` is planned with: the running plan
+// that walked `node` (innermost first) and its potential there, or, inside
+// a backward left unplanned, its task's binding and the potential bound.
+struct Enclosing {
+  enum Kind { kNone, kPlan, kBound, kPython } kind = kNone;
+  const NativePlan* plan = nullptr;   // kPlan
+  py::object reading;                 // kPlan, kBound
+  double phi = 1.0;                   // the potential everything nested carries
+  const Binding* binding = nullptr;   // kBound (alive while `keep` is)
+  py::object keep;                    // the binding (kBound)
+  std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first (the kPlan one too)
+  std::vector<PlanPtr> alive;  // their owners: alive while a hint may run Python (and another thread)
+};
+
+// The one nested-plan lookup (NOTE [ One running state, both routes ]).
+// kPython: a running Python plan walked `node` (only the Python route,
+// past 64 factors, makes one), so the Python route plans it.
+static Enclosing find_enclosing(Node* node) {
+  Enclosing out;
+  out.outer_plans.reserve(native_running.size());
+  out.alive.reserve(native_running.size());
+  for (size_t k = native_running.size(); k-- > 0;)
+    if (native_running[k].plan != nullptr) {
+      out.outer_plans.push_back(native_running[k].plan.get());
+      out.alive.push_back(native_running[k].plan);
+    }
+  for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
+    if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
+    const RunningEntry& e = native_running[k];
+    if (e.plan == nullptr) {  // Python runs here and may let another thread change the registry
+      py::object plan = py::reinterpret_borrow<py::object>(e.plan_obj);
+      if (plan.attr("phi_of")(py_of(node)).is_none()) continue;
+      out.kind = Enclosing::kPython;
+      return out;
+    }
+    const int64_t i = e.plan->index.get(node);
+    if (i < 0) continue;
+    out.kind = Enclosing::kPlan;
+    out.plan = e.plan.get();  // (kept by out.alive)
+    out.phi = e.plan->phi_disc[i];
+    out.reading = py::reinterpret_borrow<py::object>(e.reading);
+    return out;
+  }
+  PyObject* bound = current_binding();
+  if (bound == nullptr) return out;
+  py::handle b(bound);
+  if (!py::isinstance<Binding>(b)) return out;  // a reference pass's Python binding: nothing nested is planned
+  const Binding& binding = b.cast<const Binding&>();
+  if (binding.potential.is_none() || binding.governor.is_none()) return out;
+  out.kind = Enclosing::kBound;
+  out.binding = &binding;
+  out.phi = binding.potential.cast<double>();
+  out.reading = binding.reading;
+  out.keep = py::reinterpret_borrow<py::object>(b);
+  return out;
+}
+
+// The potential a running plan gave `node`, or None: what the Python
+// route's nested plan with inputs= asks per node (its outer_phi).
+static py::object enclosing_phi(py::handle obj) {
+  Node* node = node_of(obj.ptr());
+  for (size_t k = native_running.size(); node != nullptr && k-- > 0;) {
+    if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
+    const RunningEntry& e = native_running[k];
+    if (e.plan == nullptr) {  // Python runs here and may let another thread change the registry
+      py::object plan = py::reinterpret_borrow<py::object>(e.plan_obj);
+      py::object phi = plan.attr("phi_of")(obj);
+      if (!phi.is_none()) return phi;
+      continue;
+    }
+    const int64_t i = e.plan->index.get(node);
+    if (i >= 0) return py::float_(e.plan->phi_disc[i]);
+  }
+  return py::none();
+}
