@@ -3,7 +3,7 @@ skipped cleanly where deepspeed is missing, and gradient oracles."""
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -133,19 +133,40 @@ class TanhMLP(torch.nn.Module):
         return self.l2(torch.tanh(self.l1(x)))
 
 
-def ds_config(gas: int, stage: int, bf16: bool = False, offload: bool = False) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage}
+def ds_config(gas: int, stage: int, *, micro_batch: int = 1, clip: float | None = None, bf16: bool = False,
+              fp16: Mapping[str, Any] | None = None, offload: bool = False, zero: Mapping[str, Any] | None = None,
+              **extra: Any) -> dict[str, Any]:
+    """The DeepSpeed config of every engine the tests build (and of the spawned
+    workers': tests/_untouched.py, tests/_failed_backward.py; tests/_ca_alone.py
+    is handed its configs): ``gas`` micro-steps per window at ZeRO ``stage``,
+    the client's optimizer allowed, DeepSpeed's step log silenced.
+
+    ``micro_batch``: ``train_micro_batch_size_per_gpu`` (the batch the test's
+    inputs have).  ``clip``: ``gradient_clipping``, left out when None (the
+    tests that compare with an unclipped plain reference pass 0.0).  ``bf16``:
+    the bf16 section, enabled; ``fp16``: the fp16 section, enabled, with these
+    settings beside it (``initial_scale_power``, ``hysteresis``...).
+    ``offload``: the optimizer offloaded to the CPU (ZeRO-Offload); ``zero``:
+    more ``zero_optimization`` settings; ``extra``: more top-level settings.
+    A fresh dict each call: the caller may change it.
+    """
+    zero_cfg: dict[str, Any] = {"stage": stage, **(zero or {})}
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero_cfg["offload_optimizer"] = {"device": "cpu"}
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gas,
-        "zero_optimization": zero,
+        "zero_optimization": zero_cfg,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if fp16 is not None:
+        cfg["fp16"] = {"enabled": True, **fp16}
+    cfg.update(extra)
     return cfg
 
 

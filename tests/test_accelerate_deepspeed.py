@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import require_deepspeed
+from conftest import ds_config, require_deepspeed
 
 import graphscale
 
@@ -112,17 +112,6 @@ VARIANTS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor], frozense
 }
 
 
-def _ds_config(gas: int, stage: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": 3,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": 0.0,  # the reference does not clip
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-
-
 @pytest.fixture
 def fresh_accelerate(ds_dist: None) -> Iterator[None]:
     """Accelerate keeps process-wide singletons (AcceleratorState, GradientState),
@@ -173,7 +162,7 @@ def train_and_compare(stage: int, variant: str, govern: bool) -> list[float]:
 
     names, loss_fn, _ = VARIANTS[variant]
     refs = {n: _net(i + 1) for i, n in enumerate(names)}
-    plugins = {n: DeepSpeedPlugin(hf_ds_config=_ds_config(GAS[n], stage)) for n in names}
+    plugins = {n: DeepSpeedPlugin(hf_ds_config=ds_config(GAS[n], stage, micro_batch=3, clip=0.0)) for n in names}
     # NOTE [ Two DeepSpeed engines through Accelerate ]: one Accelerator per
     # engine, the one whose GAS Accelerate's bookkeeping follows prepared last.
     order = [n for n in names if n != "actor"] + ["actor"]

@@ -126,8 +126,8 @@ class Pool:
         torch.manual_seed(100 + NAMES.index(name))
         m = Net()
         self.refs[name] = copy.deepcopy(m)  # before initialize: ZeRO-3 partitions m's parameters
-        cfg = ds_config(2, self.stage, bf16=self.variant == "bf16", offload=self.variant == "offload")
-        cfg["zero_force_ds_cpu_optimizer"] = False  # ZeRO-Offload with the client's SGD
+        cfg = ds_config(2, self.stage, bf16=self.variant == "bf16", offload=self.variant == "offload",
+                        zero_force_ds_cpu_optimizer=False)  # ZeRO-Offload with the client's SGD
         engine, *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=cfg)
         engine.set_gradient_accumulation_boundary(True)  # reduce at once: grads readable after one backward
         return engine

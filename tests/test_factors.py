@@ -663,8 +663,7 @@ def train_engine_windows(case: WindowCase) -> list[float]:
     engines = {}
     for name, ref in (("lm", ref_lm), ("value", ref_value)):
         m = copy.deepcopy(ref)
-        cfg = ds_config(WINDOW, case.stage, bf16=bf16)
-        cfg["gradient_clipping"] = 0.0
+        cfg = ds_config(WINDOW, case.stage, clip=0.0, bf16=bf16)
         engines[name], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR),
                                                  config=cfg)
     lm, value = engines["lm"], engines["value"]

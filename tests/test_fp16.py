@@ -108,12 +108,10 @@ def fp16_here(request: pytest.FixtureRequest, ds_dist: None, monkeypatch: pytest
 
 # ------------------------------------------------------------------ engines, graphs, oracle
 def fp16_config(name: str, stage: int) -> dict[str, Any]:
-    cfg = ds_config(GAS[name], stage)
-    cfg["gradient_clipping"] = 0.0  # DeepSpeed clips to norm 1 unless told: the reference does not clip
-    # hysteresis 1: the first overflow halves the scale (DeepSpeed's default waits for a second)
-    cfg["fp16"] = {"enabled": True, "initial_scale_power": SCALE_POWER[name], "hysteresis": 1,
-                   "loss_scale_window": 1000}
-    return cfg
+    # clip 0: DeepSpeed clips to norm 1 unless told, the reference does not clip; hysteresis 1: the first
+    # overflow halves the scale (DeepSpeed's default waits for a second)
+    return ds_config(GAS[name], stage, clip=0.0,
+                     fp16={"initial_scale_power": SCALE_POWER[name], "hysteresis": 1, "loss_scale_window": 1000})
 
 
 def _f(t: torch.Tensor) -> torch.Tensor:

@@ -311,11 +311,10 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
     engines: dict[str, Any] = {}
     for n, ref in refs.items():
         m = copy.deepcopy(ref)  # before initialize: ZeRO-3 partitions m's parameters
-        cfg = ds_config(GAS[n], case.stage, bf16=case.variant == "bf16")
-        cfg["train_micro_batch_size_per_gpu"] = 3
-        cfg["gradient_clipping"] = 0.0  # ZeRO clips to norm 1 unless told: the reference does not clip
-        if case.variant == "fp16":  # hysteresis 1: an overflow halves the scale at once
-            cfg["fp16"] = {"enabled": True, "initial_scale_power": SCALE_POWER[n], "hysteresis": 1}
+        # clip 0: ZeRO clips to norm 1 unless told, the reference does not clip; fp16's hysteresis 1: an
+        # overflow halves the scale at once
+        fp16 = {"initial_scale_power": SCALE_POWER[n], "hysteresis": 1} if case.variant == "fp16" else None
+        cfg = ds_config(GAS[n], case.stage, micro_batch=3, clip=0.0, bf16=case.variant == "bf16", fp16=fp16)
         engines[n], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), config=cfg)
     opts = {n: torch.optim.SGD(r.parameters(), lr=LR) for n, r in refs.items()}
     acc = {n: [torch.zeros_like(p) for p in r.parameters()] for n, r in refs.items()}
