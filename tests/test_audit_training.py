@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import finish, rank_results, run_ranks  # noqa: E402
-from conftest import ds_config, require_deepspeed  # noqa: E402
+from conftest import ds_config, require_deepspeed, tanh_mlp  # noqa: E402
 
 GAS = {"A": 2, "B": 4}
 STEPS = 8
@@ -35,8 +35,7 @@ def _engine(name: str, stage: int, bf16: bool) -> Any:
     import deepspeed
     import torch
 
-    torch.manual_seed(10 + len(name) + ord(name))
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    net = tanh_mlp(10 + len(name) + ord(name), sequential=True)
     cfg = ds_config(GAS[name], stage, clip=0.0, bf16=bf16)
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05), config=cfg)
     return engine

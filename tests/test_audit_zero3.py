@@ -37,7 +37,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import deepspeed_rank, finish, rank_results, run_ranks  # noqa: E402
-from conftest import ds_config, require_deepspeed  # noqa: E402
+from conftest import ds_config, require_deepspeed, tanh_mlp  # noqa: E402
 
 GAS = {"A": 2, "B": 4}
 STEPS = 8
@@ -75,13 +75,13 @@ class Scheduled:
 
 
 def _net(seed: int, noisy: bool) -> Any:
+    if not noisy:
+        return tanh_mlp(seed, sequential=True)
     import torch
 
-    torch.manual_seed(seed)
-    if noisy:  # dropout draws from torch's generator; BatchNorm and Scheduled update buffers in the forward
-        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(),
-                                   torch.nn.Dropout(0.3), Scheduled.make(), torch.nn.Linear(4, 4))
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    torch.manual_seed(seed)  # dropout draws from torch's generator; BatchNorm and Scheduled update buffers
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(),
+                               torch.nn.Dropout(0.3), Scheduled.make(), torch.nn.Linear(4, 4))
 
 
 def _loss(shape: str, A: Any, Am: Any, B: Any, x: Any, y: Any) -> Any:

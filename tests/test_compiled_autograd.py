@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HAVE_DEEPSPEED, ds_config, full_grads, max_rel_err, require_deepspeed
+from conftest import HAVE_DEEPSPEED, ds_config, full_grads, max_rel_err, require_deepspeed, tanh_mlp
 
 import graphscale
 from graphscale import observe
@@ -152,8 +152,7 @@ def _engine_pair(ds_dist: None, stage: int, bf16: bool, how: str) -> tuple[Any, 
     copies made before deepspeed.initialize."""
     import deepspeed
 
-    torch.manual_seed(7)
-    actor = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    actor = tanh_mlp(7, sequential=True)
     critic = torch.nn.Linear(4, 1)
     ref = (copy.deepcopy(actor), copy.deepcopy(critic))
     cfg = ds_config(4, stage, clip=0.0, bf16=bf16)

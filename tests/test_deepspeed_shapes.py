@@ -30,7 +30,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from _functions import Boom
-from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
+from conftest import TanhMLP, ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 
@@ -74,13 +74,11 @@ def _ds_checkpointing_broken() -> str:
     return ""
 
 
-class Net(torch.nn.Module):
+class Net(TanhMLP):
     """tanh(l1 x) then l2; ``ckpt`` checkpoints the l2 half (params inside)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
         self.ckpt: tuple[str, bool] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

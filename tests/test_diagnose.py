@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ds_config, require_deepspeed
+from conftest import ds_config, require_deepspeed, tanh_mlp
 
 import graphscale
 
@@ -36,11 +36,6 @@ def generation() -> str:
     import deepspeed.runtime.engine as eng
 
     return "tracker" if hasattr(eng, "_ENGINE_BACKWARD_GRAPH_TRACKER") else "hooks"
-
-
-def _net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
 
 
 # name -> (loss(A, A_module, B, B_module, x), call, {generation: {engine: cause pattern}})
@@ -61,7 +56,7 @@ def _engines(stage: int = 1) -> tuple[dict[str, Any], dict[str, torch.nn.Module]
 
     engines, plain = {}, {}
     for k, name in enumerate(GAS):
-        net = _net(k)
+        net = tanh_mlp(k, sequential=True)
         plain[name] = copy.deepcopy(net)
         engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
                                           config=ds_config(GAS[name], stage))

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ds_config, grad_mismatches, max_rel_err, require_deepspeed
+from conftest import ds_config, grad_mismatches, max_rel_err, require_deepspeed, tanh_mlp
 
 import graphscale
 from graphscale import observe
@@ -453,19 +453,6 @@ def generation() -> str:
     return "tracker" if hasattr(eng, "_ENGINE_BACKWARD_GRAPH_TRACKER") else "hooks"
 
 
-class EngineNet(torch.nn.Module):
-    """l2(tanh(l1(x))), float32, 4 -> 4."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.tanh(self.l1(x)))
-
-
 ENGINE_GAS = {"A": 2, "B": 4}
 
 # shape -> loss from (A, B, A's module, x, y); A and B are engines or their plain copies
@@ -523,7 +510,7 @@ def _engines(stage: int, bf16: bool = False,
 
     engines, refs = {}, {}
     for i, name in enumerate(("A", "B")):
-        m = EngineNet(10 + i)
+        m = tanh_mlp(10 + i)
         refs[name] = copy.deepcopy(m)
         engines[name], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
                                                  config=ds_config(ENGINE_GAS[name], stage, bf16=bf16))

@@ -39,10 +39,10 @@ import torch
 import graphscale
 
 try:
-    from conftest import ds_config, require_deepspeed
+    from conftest import TanhMLP, ds_config, require_deepspeed
 except ImportError:  # run as a worker script: tests/ is not on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import ds_config, require_deepspeed
+    from conftest import TanhMLP, ds_config, require_deepspeed
 from _functions import Boom
 from _ranks import deepspeed_rank, finish, rank_results, run_ranks
 
@@ -70,14 +70,11 @@ WORLD = 2
 
 
 # ------------------------------------------------------------------ models and shapes
-class Net(torch.nn.Module):
+class Net(TanhMLP):
     """tanh(l1 x) then l2; ``reentrant`` checkpoints the l2 half (torch, use_reentrant=True)."""
 
     def __init__(self, seed: int, reentrant: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
+        super().__init__(seed)
         self.reentrant = reentrant
         self.boom = False  # the output's backward raises: after the engine's output hooks, before any gradient
 
