@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from _functions import BackwardThrough, Cube, Recompute
+from conftest import leaf_grads
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -159,7 +160,4 @@ class World:
 
     def take_grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of one backward (the contract is per backward), then clear them."""
-        out = {}
-        for k, t in self.leaves().items():
-            out[k], t.grad = (None if t.grad is None else t.grad.clone()), None
-        return out
+        return leaf_grads(self.leaves(), clear=True)

@@ -98,8 +98,7 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
     relative gradient error after each micro-step, the engine's at the
     boundary, and the ratios of each to its oracle (readable failures)."""
     import deepspeed
-    from conftest import ds_config  # it imports graphscale: here, not at the module's import (torch only)
-    from deepspeed.utils import safe_get_full_grad
+    from conftest import ds_config, full_grads  # it imports graphscale: here, not at the module's import (torch only)
 
     import graphscale
 
@@ -127,7 +126,7 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
             out["ref_ratio"].append(_ratio(got, want))
             if step < MICRO_STEPS - 1:
                 engine.step()  # a no-op before the boundary, but DeepSpeed's bookkeeping expects it
-        got = [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
+        got = full_grads(engine, cpu=False)
         expected = [w * factor for w in want]
         out["engine"] = _rel(got, expected)
         out["engine_ratio"] = _ratio(got, expected)

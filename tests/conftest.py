@@ -207,11 +207,57 @@ def make_engine(ds_dist: None) -> Callable[..., Any]:
     return make
 
 
-def full_grads(engine: Any) -> list[torch.Tensor]:
-    """Every parameter's full gradient, at any ZeRO stage, as float32 on the CPU."""
+def leaf_grads(leaves: Mapping[str, torch.Tensor | torch.nn.Module], clear: bool = False
+               ) -> dict[str, torch.Tensor | None]:
+    """Each leaf's ``.grad`` as it is now, detached and cloned, by name (None
+    where a leaf has none): the one reader of plain tensors' gradients, for
+    the plain-PyTorch oracle and the governed run alike.
+
+    A module in ``leaves`` stands for its parameters, named
+    ``"<its name>.<parameter name>"`` (``named_parameters()``).  ``clear``:
+    each leaf's ``.grad`` is set to None once read, so the next backward's
+    gradients are its own (the contract is per backward).
+    """
+    named: dict[str, torch.Tensor] = {}
+    for name, leaf in leaves.items():
+        if isinstance(leaf, torch.nn.Module):
+            named.update((f"{name}.{n}", p) for n, p in leaf.named_parameters())
+        else:
+            named[name] = leaf
+    out: dict[str, torch.Tensor | None] = {}
+    for name, t in named.items():
+        out[name] = None if t.grad is None else t.grad.detach().clone()
+        if clear:
+            t.grad = None
+    return out
+
+
+def full_grads(engine: Any, cpu: bool = True, missing: bool = False) -> list[Any]:
+    """Every parameter's full gradient of a DeepSpeed engine, at any ZeRO
+    stage, as float32 (cloned): the one reader of engines' gradients.
+
+    ``cpu``: moved to the CPU (False: left on the engine's device).
+    ``missing``: None for a parameter whose gradient DeepSpeed does not hold
+    (ZeRO 1 before any backward raises "only available immediately after
+    backward"); otherwise such a parameter fails the test.
+    """
     from deepspeed.utils import safe_get_full_grad
 
-    return [safe_get_full_grad(p).detach().float().cpu().clone() for p in engine.module.parameters()]
+    out: list[torch.Tensor | None] = []
+    for p in engine.module.parameters():
+        if missing:
+            try:
+                g = safe_get_full_grad(p)
+            except ValueError:
+                g = None
+            if g is None:
+                out.append(None)
+                continue
+        else:
+            g = safe_get_full_grad(p)
+        g = g.detach().float()
+        out.append((g.cpu() if cpu else g).clone())
+    return out
 
 
 def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -341,4 +387,4 @@ def graphscale_hooks_left(handles: list[Any]) -> list[str]:
 
 
 __all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "ds_device", "full_grads",
-           "max_rel_err", "grad_mismatches", "graphscale", "TanhMLP", "tanh_mlp"]
+           "max_rel_err", "grad_mismatches", "graphscale", "TanhMLP", "tanh_mlp", "leaf_grads"]

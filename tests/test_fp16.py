@@ -56,7 +56,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TanhMLP as Net
-from conftest import ds_config, ds_device, max_rel_err, require_deepspeed
+from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 
@@ -174,10 +174,7 @@ class Rig:
         return {n: loss_scale(e) for n, e in self.engines.items()}
 
     def grads(self) -> dict[str, list[torch.Tensor]]:
-        from deepspeed.utils import safe_get_full_grad
-
-        return {n: [safe_get_full_grad(p).detach().float().cpu().clone() for p in e.module.parameters()]
-                for n, e in self.engines.items()}
+        return {n: full_grads(e) for n, e in self.engines.items()}
 
     def backward(self, call: str, roots: list[torch.Tensor]) -> None:
         loss = roots[0] if len(roots) == 1 else sum(roots[1:], roots[0])

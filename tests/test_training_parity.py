@@ -39,10 +39,10 @@ import torch
 import graphscale
 
 try:
-    from conftest import TanhMLP, ds_config, require_deepspeed
+    from conftest import TanhMLP, ds_config, full_grads, require_deepspeed
 except ImportError:  # run as a worker script: tests/ is not on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import TanhMLP, ds_config, require_deepspeed
+    from conftest import TanhMLP, ds_config, full_grads, require_deepspeed
 from _functions import Boom
 from _ranks import deepspeed_rank, finish, rank_results, run_ranks
 
@@ -248,12 +248,6 @@ def _fp32_params(engine: Any) -> list[torch.Tensor]:
     return out
 
 
-def _full_grads(engine: Any) -> list[torch.Tensor]:
-    from deepspeed.utils import safe_get_full_grad
-
-    return [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
-
-
 def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     scale = max(w.abs().max().item() for w in want) or 1.0
     return max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)) / scale
@@ -344,7 +338,8 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
         x, y = _data(rank, MICRO_STEPS)
         _backward(case.call, shape.loss(_view(engines, engines["A"].module, x, y, dtype)), engines)
         plain = _plain_grads(shape, refs, MICRO_STEPS, world)
-        out["grad_err"] = max(_rel(_full_grads(engines[n]), [g * _loss_scale(engines[n]) / GAS[n] for g in plain[n]])
+        out["grad_err"] = max(_rel(full_grads(engines[n], cpu=False),
+                                   [g * _loss_scale(engines[n]) / GAS[n] for g in plain[n]])
                               for n in refs)
     except Exception as exc:  # DeepSpeed's own failure in step(): the outcome, recorded
         out.update(status="raises", error=f"{type(exc).__name__}: {exc}"[:300])
