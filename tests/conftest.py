@@ -1,5 +1,9 @@
 """Shared test set-up: real DeepSpeed engines on the CPU accelerator (gloo),
-skipped cleanly where deepspeed is missing, and gradient oracles."""
+skipped cleanly where deepspeed is missing; one of each thing the tests
+build or read: the small model (:func:`tanh_mlp`), the DeepSpeed config
+(:func:`ds_config`), the gradients of plain leaves and of engines
+(:func:`leaf_grads`, :func:`full_grads`); and the gradient oracles'
+comparisons (:func:`grad_mismatches`, :func:`max_rel_err`)."""
 from __future__ import annotations
 
 import os
@@ -143,10 +147,10 @@ def tanh_mlp(seed: int | None = None, *, sequential: bool = False) -> torch.nn.M
     """The two-``Linear`` model of the tests: Linear(4, 4), tanh, Linear(4, 4).
 
     ``sequential=False``: a :class:`TanhMLP` (parameters ``l1.*``, ``l2.*``;
-    tanh a function call).  ``sequential=True``: ``nn.Sequential(Linear, Tanh,
-    Linear)`` (parameters ``0.*``, ``2.*``; the Tanh a module of its own, which
-    module hooks such as ZeRO 3's see).  For one
-    ``seed`` both hold the same weights (the same draws, in the same order).
+    tanh a function call).  ``sequential=True``: ``nn.Sequential(Linear,
+    Tanh, Linear)`` (parameters ``0.*``, ``2.*``; the Tanh a module of its
+    own, which module hooks such as ZeRO 3's see).  For one ``seed`` both
+    hold the same weights (the same draws, in the same order).
     """
     if not sequential:
         return TanhMLP(seed)
