@@ -1,9 +1,12 @@
 """DeepSpeed alone under compiled autograd, in a fresh interpreter (no
 graphscale imported: nothing of it, not even what an earlier test installed
 and removed, can be in what dynamo traces or caches): run by
-tests/test_compiled_autograd.py as ``python _ca_alone.py CASES STEPS``.
-Prints one JSON line: per case, whether STEPS micro-steps with step() ran,
-DeepSpeed's error, and compiled autograd's captures after each micro-step."""
+tests/test_compiled_autograd.py as ``python _ca_alone.py CASES STEPS
+CONFIGS`` (CONFIGS: the DeepSpeed config per ZeRO stage, made by
+tests/conftest.py's ds_config, which imports graphscale and so cannot be
+imported here).  Prints one JSON line: per case, whether STEPS micro-steps
+with step() ran, DeepSpeed's error, and compiled autograd's captures after
+each micro-step."""
 from __future__ import annotations
 
 import json
@@ -33,8 +36,7 @@ def main() -> None:
         torch.manual_seed(7)
         actor = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
         critic = torch.nn.Linear(4, 1)
-        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
-               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+        cfg = json.loads(sys.argv[3])[str(stage)]
         opt = torch.optim.SGD(actor.parameters(), lr=0.1)
         engine, *_ = deepspeed.initialize(model=actor, optimizer=opt, config=cfg)
         if switch == "deepspeed":

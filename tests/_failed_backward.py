@@ -200,6 +200,7 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
     oracle after ``step()``, or the error that stopped it.  ``engines=2``: an
     actor and a critic engine in one loss (``engine.backward`` is the actor's)."""
     import deepspeed
+    from conftest import ds_config  # it imports graphscale: here, not at the module's import (torch only)
     from deepspeed.utils import safe_get_full_fp32_param
 
     import graphscale
@@ -207,14 +208,7 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
     mods = models(where, engines)
     model = mods[0]
     want = oracle(where, fail_at, world, engines, style)
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": GAS,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-    }
+    cfg = ds_config(GAS, stage, micro_batch=2, clip=0.0)
     eng = [deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), config=cfg)[0]
            for m in mods]
     engine = eng[0]
@@ -267,14 +261,13 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
 def left_behind_case(stage: int, style: str, where: str, mode: str) -> dict[str, Any]:
     """What the engine holds right after a failed first backward of a window."""
     import deepspeed
+    from conftest import ds_config  # it imports graphscale: here, not at the module's import (torch only)
 
     import graphscale
 
     torch.manual_seed(1)
     model = Net(where)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-           "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    cfg = ds_config(GAS, stage, micro_batch=2, clip=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg)
     inst = graphscale.install(engine) if mode == "graphscale" else None
     model.control["raise"] = True

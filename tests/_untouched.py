@@ -98,7 +98,7 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
     relative gradient error after each micro-step, the engine's at the
     boundary, and the ratios of each to its oracle (readable failures)."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
+    from conftest import ds_config, full_grads  # it imports graphscale: here, not at the module's import (torch only)
 
     import graphscale
 
@@ -106,14 +106,7 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
     model = _net(1)
     oracle = copy.deepcopy(model)  # plain: torch.autograd.grad only
     ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": GAS,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-    }
+    cfg = ds_config(GAS, stage, micro_batch=2, clip=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=cfg)
     inst = graphscale.install(engine) if mode == "graphscale" else None
@@ -133,7 +126,7 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
             out["ref_ratio"].append(_ratio(got, want))
             if step < MICRO_STEPS - 1:
                 engine.step()  # a no-op before the boundary, but DeepSpeed's bookkeeping expects it
-        got = [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
+        got = full_grads(engine, cpu=False)
         expected = [w * factor for w in want]
         out["engine"] = _rel(got, expected)
         out["engine_ratio"] = _ratio(got, expected)

@@ -1,9 +1,13 @@
 """Shared test set-up: real DeepSpeed engines on the CPU accelerator (gloo),
-skipped cleanly where deepspeed is missing, and gradient oracles."""
+skipped cleanly where deepspeed is missing; one of each thing the tests
+build or read: the small model (:func:`tanh_mlp`), the DeepSpeed config
+(:func:`ds_config`), the gradients of plain leaves and of engines
+(:func:`leaf_grads`, :func:`full_grads`); and the gradient oracles'
+comparisons (:func:`grad_mismatches`, :func:`max_rel_err`)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -122,10 +126,16 @@ def ds_dist() -> None:
 
 
 class TanhMLP(torch.nn.Module):
-    """l2(tanh(l1 x)), 4 -> 4 -> 4: the small model of the engine tests that need no variant of their own."""
+    """l2(tanh(l1 x)), 4 -> 4 -> 4, float32: the small model of the engine tests
+    (:func:`tanh_mlp` makes it; a test that needs a variant subclasses it: a
+    checkpointed l2, an output whose backward raises).  ``seed``: its weights
+    are drawn right after ``torch.manual_seed(seed)``; None draws them from
+    torch's generator as it stands."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
+        if seed is not None:
+            torch.manual_seed(seed)
         self.l1 = torch.nn.Linear(4, 4)
         self.l2 = torch.nn.Linear(4, 4)
 
@@ -133,19 +143,56 @@ class TanhMLP(torch.nn.Module):
         return self.l2(torch.tanh(self.l1(x)))
 
 
-def ds_config(gas: int, stage: int, bf16: bool = False, offload: bool = False) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage}
+def tanh_mlp(seed: int | None = None, *, sequential: bool = False) -> torch.nn.Module:
+    """The two-``Linear`` model of the tests: Linear(4, 4), tanh, Linear(4, 4).
+
+    ``sequential=False``: a :class:`TanhMLP` (parameters ``l1.*``, ``l2.*``;
+    tanh a function call).  ``sequential=True``: ``nn.Sequential(Linear,
+    Tanh, Linear)`` (parameters ``0.*``, ``2.*``; the Tanh a module of its
+    own, which module hooks such as ZeRO 3's see).  For one ``seed`` both
+    hold the same weights (the same draws, in the same order).
+    """
+    if not sequential:
+        return TanhMLP(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+
+
+def ds_config(gas: int, stage: int, *, micro_batch: int = 1, clip: float | None = None, bf16: bool = False,
+              fp16: Mapping[str, Any] | None = None, offload: bool = False, zero: Mapping[str, Any] | None = None,
+              **extra: Any) -> dict[str, Any]:
+    """The DeepSpeed config of every engine the tests build (and of the spawned
+    workers': tests/_untouched.py, tests/_failed_backward.py; tests/_ca_alone.py
+    is handed its configs): ``gas`` micro-steps per window at ZeRO ``stage``,
+    the client's optimizer allowed, DeepSpeed's step log silenced.
+
+    ``micro_batch``: ``train_micro_batch_size_per_gpu`` (the batch the test's
+    inputs have).  ``clip``: ``gradient_clipping``, left out when None (the
+    tests that compare with an unclipped plain reference pass 0.0).  ``bf16``:
+    the bf16 section, enabled; ``fp16``: the fp16 section, enabled, with these
+    settings beside it (``initial_scale_power``, ``hysteresis``...).
+    ``offload``: the optimizer offloaded to the CPU (ZeRO-Offload); ``zero``:
+    more ``zero_optimization`` settings; ``extra``: more top-level settings.
+    A fresh dict each call: the caller may change it.
+    """
+    zero_cfg: dict[str, Any] = {"stage": stage, **(zero or {})}
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero_cfg["offload_optimizer"] = {"device": "cpu"}
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gas,
-        "zero_optimization": zero,
+        "zero_optimization": zero_cfg,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if fp16 is not None:
+        cfg["fp16"] = {"enabled": True, **fp16}
+    cfg.update(extra)
     return cfg
 
 
@@ -164,11 +211,57 @@ def make_engine(ds_dist: None) -> Callable[..., Any]:
     return make
 
 
-def full_grads(engine: Any) -> list[torch.Tensor]:
-    """Every parameter's full gradient, at any ZeRO stage, as float32 on the CPU."""
+def leaf_grads(leaves: Mapping[str, torch.Tensor | torch.nn.Module], clear: bool = False
+               ) -> dict[str, torch.Tensor | None]:
+    """Each leaf's ``.grad`` as it is now, detached and cloned, by name (None
+    where a leaf has none): the one reader of plain tensors' gradients, for
+    the plain-PyTorch oracle and the governed run alike.
+
+    A module in ``leaves`` stands for its parameters, named
+    ``"<its name>.<parameter name>"`` (``named_parameters()``).  ``clear``:
+    each leaf's ``.grad`` is set to None once read, so the next backward's
+    gradients are its own (the contract is per backward).
+    """
+    named: dict[str, torch.Tensor] = {}
+    for name, leaf in leaves.items():
+        if isinstance(leaf, torch.nn.Module):
+            named.update((f"{name}.{n}", p) for n, p in leaf.named_parameters())
+        else:
+            named[name] = leaf
+    out: dict[str, torch.Tensor | None] = {}
+    for name, t in named.items():
+        out[name] = None if t.grad is None else t.grad.detach().clone()
+        if clear:
+            t.grad = None
+    return out
+
+
+def full_grads(engine: Any, cpu: bool = True, missing: bool = False) -> list[Any]:
+    """Every parameter's full gradient of a DeepSpeed engine, at any ZeRO
+    stage, as float32 (cloned): the one reader of engines' gradients.
+
+    ``cpu``: moved to the CPU (False: left on the engine's device).
+    ``missing``: None for a parameter whose gradient DeepSpeed does not hold
+    (ZeRO 1 before any backward raises "only available immediately after
+    backward"); otherwise such a parameter fails the test.
+    """
     from deepspeed.utils import safe_get_full_grad
 
-    return [safe_get_full_grad(p).detach().float().cpu().clone() for p in engine.module.parameters()]
+    out: list[torch.Tensor | None] = []
+    for p in engine.module.parameters():
+        if missing:
+            try:
+                g = safe_get_full_grad(p)
+            except ValueError:
+                g = None
+            if g is None:
+                out.append(None)
+                continue
+        else:
+            g = safe_get_full_grad(p)
+        g = g.detach().float()
+        out.append((g.cpu() if cpu else g).clone())
+    return out
 
 
 def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -298,4 +391,4 @@ def graphscale_hooks_left(handles: list[Any]) -> list[str]:
 
 
 __all__ = ["spy_handles", "graphscale_hooks_left", "require_deepspeed", "ds_config", "ds_device", "full_grads",
-           "max_rel_err", "grad_mismatches", "graphscale"]
+           "max_rel_err", "grad_mismatches", "graphscale", "TanhMLP", "tanh_mlp", "leaf_grads"]

@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import require_deepspeed
+from conftest import ds_config, require_deepspeed, tanh_mlp
 
 import graphscale
 
@@ -77,11 +77,6 @@ RTOL = 1e-6  # float32, powers of two: measured 0.0 (as in tests/test_training_p
 GAS = {"actor": 2, "critic": 4}
 MICRO_STEPS = 8  # two windows of the critic, four of the actor
 LR = 0.1
-
-
-def _net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
 
 
 def _generation() -> str:
@@ -110,17 +105,6 @@ VARIANTS: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor], frozense
     "one_engine_plus_its_module": (("actor",), lambda A, C, Am, x, y: (A(x) + Am(y)).square().sum(),
                                    frozenset({"hooks"})),
 }
-
-
-def _ds_config(gas: int, stage: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": 3,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": 0.0,  # the reference does not clip
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
 
 
 @pytest.fixture
@@ -172,8 +156,8 @@ def train_and_compare(stage: int, variant: str, govern: bool) -> list[float]:
     from accelerate.utils import DeepSpeedPlugin
 
     names, loss_fn, _ = VARIANTS[variant]
-    refs = {n: _net(i + 1) for i, n in enumerate(names)}
-    plugins = {n: DeepSpeedPlugin(hf_ds_config=_ds_config(GAS[n], stage)) for n in names}
+    refs = {n: tanh_mlp(i + 1, sequential=True) for i, n in enumerate(names)}
+    plugins = {n: DeepSpeedPlugin(hf_ds_config=ds_config(GAS[n], stage, micro_batch=3, clip=0.0)) for n in names}
     # NOTE [ Two DeepSpeed engines through Accelerate ]: one Accelerator per
     # engine, the one whose GAS Accelerate's bookkeeping follows prepared last.
     order = [n for n in names if n != "actor"] + ["actor"]

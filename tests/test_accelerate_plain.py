@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from conftest import tanh_mlp
 
 import graphscale
 
@@ -54,11 +55,6 @@ ACCELERATE_GAS = 2  # N
 GAS = {"actor": 2, "critic": 4}  # multiples of N
 MICRO_STEPS = 8
 LR = 0.1
-
-
-def _net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
 
 
 SHAPES: dict[str, Callable[..., torch.Tensor]] = {
@@ -117,7 +113,7 @@ def train_and_compare(shape: str, mode: str) -> list[float]:
     from accelerate import Accelerator
 
     loss_fn = SHAPES[shape]
-    refs = {"actor": _net(1), "critic": _net(2)}
+    refs = {"actor": tanh_mlp(1, sequential=True), "critic": tanh_mlp(2, sequential=True)}
     models = {n: copy.deepcopy(r) for n, r in refs.items()}
     accelerator = Accelerator(gradient_accumulation_steps=ACCELERATE_GAS)
     prepared = accelerator.prepare(*models.values(), *(torch.optim.SGD(m.parameters(), lr=LR)

@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import finish, rank_results, run_ranks  # noqa: E402
-from conftest import require_deepspeed  # noqa: E402
+from conftest import ds_config, require_deepspeed, tanh_mlp  # noqa: E402
 
 GAS = {"A": 2, "B": 4}
 STEPS = 8
@@ -35,13 +35,8 @@ def _engine(name: str, stage: int, bf16: bool) -> Any:
     import deepspeed
     import torch
 
-    torch.manual_seed(10 + len(name) + ord(name))
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GAS[name],
-                           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-                           "steps_per_print": 10**9, "gradient_clipping": 0.0}
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
+    net = tanh_mlp(10 + len(name) + ord(name), sequential=True)
+    cfg = ds_config(GAS[name], stage, clip=0.0, bf16=bf16)
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05), config=cfg)
     return engine
 

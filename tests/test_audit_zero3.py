@@ -37,7 +37,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import deepspeed_rank, finish, rank_results, run_ranks  # noqa: E402
-from conftest import require_deepspeed  # noqa: E402
+from conftest import ds_config, require_deepspeed, tanh_mlp  # noqa: E402
 
 GAS = {"A": 2, "B": 4}
 STEPS = 8
@@ -75,13 +75,13 @@ class Scheduled:
 
 
 def _net(seed: int, noisy: bool) -> Any:
+    if not noisy:
+        return tanh_mlp(seed, sequential=True)
     import torch
 
-    torch.manual_seed(seed)
-    if noisy:  # dropout draws from torch's generator; BatchNorm and Scheduled update buffers in the forward
-        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(),
-                                   torch.nn.Dropout(0.3), Scheduled.make(), torch.nn.Linear(4, 4))
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    torch.manual_seed(seed)  # dropout draws from torch's generator; BatchNorm and Scheduled update buffers
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh(),
+                               torch.nn.Dropout(0.3), Scheduled.make(), torch.nn.Linear(4, 4))
 
 
 def _loss(shape: str, A: Any, Am: Any, B: Any, x: Any, y: Any) -> Any:
@@ -153,13 +153,9 @@ def _engine(net: Any, name: str, dtype: str) -> Any:
     import deepspeed
     import torch
 
-    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": GAS[name],
-                           "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-                           "steps_per_print": 10**9, "gradient_clipping": 0.0}
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if dtype == "fp16":  # each engine its own loss scale, low enough that no step overflows
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 6 if name == "A" else 3, "hysteresis": 1}
+    # fp16: each engine its own loss scale, low enough that no step overflows
+    fp16 = {"initial_scale_power": 6 if name == "A" else 3, "hysteresis": 1} if dtype == "fp16" else None
+    cfg = ds_config(GAS[name], 3, micro_batch=3, clip=0.0, bf16=dtype == "bf16", fp16=fp16)
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR), config=cfg)
     return engine
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HAVE_DEEPSPEED, ds_config, full_grads, max_rel_err, require_deepspeed
+from conftest import HAVE_DEEPSPEED, ds_config, full_grads, max_rel_err, require_deepspeed, tanh_mlp
 
 import graphscale
 from graphscale import observe
@@ -152,12 +152,10 @@ def _engine_pair(ds_dist: None, stage: int, bf16: bool, how: str) -> tuple[Any, 
     copies made before deepspeed.initialize."""
     import deepspeed
 
-    torch.manual_seed(7)
-    actor = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    actor = tanh_mlp(7, sequential=True)
     critic = torch.nn.Linear(4, 1)
     ref = (copy.deepcopy(actor), copy.deepcopy(critic))
-    cfg = ds_config(4, stage, bf16=bf16)
-    cfg["gradient_clipping"] = 0.0
+    cfg = ds_config(4, stage, clip=0.0, bf16=bf16)
     engine, *_ = deepspeed.initialize(model=actor, optimizer=torch.optim.SGD(actor.parameters(), lr=0.1), config=cfg)
     if how == "deepspeed":
         engine.compile(backend="eager", compiled_autograd_enabled=True)
@@ -278,8 +276,9 @@ def deepspeed_alone() -> dict[tuple[str, bool, int], Any]:
         pytest.skip("deepspeed is not installed")
     cases = sorted(REFUSED | RUNS | ZERO3)
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    configs = {stage: ds_config(4, stage, clip=0.0) for stage in {c[2] for c in cases}}
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("_ca_alone.py")),
-                          json.dumps([[*c, "critic"] for c in cases]), str(LONG)],
+                          json.dumps([[*c, "critic"] for c in cases]), str(LONG), json.dumps(configs)],
                          capture_output=True, text=True, env=env, timeout=900)
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, f"DeepSpeed alone's run printed no result:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from _functions import Boom
-from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
+from conftest import TanhMLP, ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 
@@ -74,13 +74,11 @@ def _ds_checkpointing_broken() -> str:
     return ""
 
 
-class Net(torch.nn.Module):
+class Net(TanhMLP):
     """tanh(l1 x) then l2; ``ckpt`` checkpoints the l2 half (params inside)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
         self.ckpt: tuple[str, bool] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,8 +124,8 @@ class Pool:
         torch.manual_seed(100 + NAMES.index(name))
         m = Net()
         self.refs[name] = copy.deepcopy(m)  # before initialize: ZeRO-3 partitions m's parameters
-        cfg = ds_config(2, self.stage, bf16=self.variant == "bf16", offload=self.variant == "offload")
-        cfg["zero_force_ds_cpu_optimizer"] = False  # ZeRO-Offload with the client's SGD
+        cfg = ds_config(2, self.stage, bf16=self.variant == "bf16", offload=self.variant == "offload",
+                        zero_force_ds_cpu_optimizer=False)  # ZeRO-Offload with the client's SGD
         engine, *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=cfg)
         engine.set_gradient_accumulation_boundary(True)  # reduce at once: grads readable after one backward
         return engine

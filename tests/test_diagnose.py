@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ds_config, require_deepspeed
+from conftest import ds_config, full_grads, require_deepspeed, tanh_mlp
 
 import graphscale
 
@@ -36,11 +36,6 @@ def generation() -> str:
     import deepspeed.runtime.engine as eng
 
     return "tracker" if hasattr(eng, "_ENGINE_BACKWARD_GRAPH_TRACKER") else "hooks"
-
-
-def _net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
 
 
 # name -> (loss(A, A_module, B, B_module, x), call, {generation: {engine: cause pattern}})
@@ -61,7 +56,7 @@ def _engines(stage: int = 1) -> tuple[dict[str, Any], dict[str, torch.nn.Module]
 
     engines, plain = {}, {}
     for k, name in enumerate(GAS):
-        net = _net(k)
+        net = tanh_mlp(k, sequential=True)
         plain[name] = copy.deepcopy(net)
         engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
                                           config=ds_config(GAS[name], stage))
@@ -120,8 +115,6 @@ def test_the_diagnosis_names_what_deepspeed_alone_got_wrong_and_why(ds_dist: Non
 
 
 def test_a_diagnosis_changes_no_gradient_and_leaves_nothing_behind(ds_dist: None) -> None:
-    from deepspeed.utils import safe_get_full_grad
-
     from graphscale._backward import call as _call
 
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(3))
@@ -134,7 +127,7 @@ def test_a_diagnosis_changes_no_gradient_and_leaves_nothing_behind(ds_dist: None
                 A.backward(A(x).sum() + B(x).square().sum())
         else:
             A.backward(A(x).sum() + B(x).square().sum())
-        runs.append([safe_get_full_grad(p).clone() for e in (A, B) for p in e.module.parameters()])
+        runs.append(full_grads(A, cpu=False) + full_grads(B, cpu=False))
         assert "backward" not in A.__dict__ and "backward" not in B.__dict__
     assert torch.autograd.backward is _call.ORIGINAL_BACKWARD
     assert all(torch.equal(a, b) for a, b in zip(*runs))

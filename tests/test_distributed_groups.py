@@ -58,6 +58,7 @@ from typing import Any
 import pytest
 import torch
 from _ranks import finish, rank_results, run_ranks
+from conftest import tanh_mlp
 
 import graphscale
 
@@ -85,11 +86,6 @@ WRAPPERS = ("ddp", "ddp_no_sync", "fsdp_reshard", "fsdp_keep", "fsdp_no_sync")
 # without graphscale the loss divided by main's GAS (right for main only);
 # FSDP2 only: main's Group also given its unsharded parameters by hand
 MODES = ("graphscale", "graphscale_plain", "loss_over_main_gas", "graphscale_unsharded_in_group")
-
-
-def _net(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
 
 
 def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,11 +142,11 @@ def train_and_compare(wrapper: str, shape: str, mode: str, rank: int) -> dict[st
     """Worst relative weight error after each micro-step, and gradient error
     before each optimizer step, over both models."""
     loss_fn = SHAPES[shape]
-    models = {"main": _wrap(wrapper, _net(1)), "other": _net(2)}
+    models = {"main": _wrap(wrapper, tanh_mlp(1, sequential=True)), "other": tanh_mlp(2, sequential=True)}
     # the reference simulates every rank: one main (data parallel) and each
     # rank's own other, which main's gradient on that rank depends on
-    ref_main = _net(1)
-    ref_others = [_net(2) for _ in range(WORLD)]
+    ref_main = tanh_mlp(1, sequential=True)
+    ref_others = [tanh_mlp(2, sequential=True) for _ in range(WORLD)]
     ref_params = {"main": list(ref_main.parameters()), "other": list(ref_others[rank].parameters())}
     opts = {n: torch.optim.SGD(m.parameters(), lr=LR) for n, m in models.items()}
     ref_nets = [ref_main, *ref_others]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import grad_mismatches
+from conftest import grad_mismatches, leaf_grads
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -196,10 +196,7 @@ def test_exception_in_backward_leaves_no_hook_and_the_next_backward_exact(
               "x": x}
 
     def grads() -> dict[str, torch.Tensor | None]:
-        out = {k: (None if t.grad is None else t.grad.clone()) for k, t in leaves.items()}
-        for t in leaves.values():
-            t.grad = None
-        return out
+        return leaf_grads(leaves, clear=True)
 
     loss.backward(retain_graph=True)
     plain = grads()

@@ -30,7 +30,7 @@ import _failed_backward as fb
 import pytest
 import torch
 from _ranks import rank_results, run_ranks
-from conftest import HAVE_DEEPSPEED, require_deepspeed
+from conftest import HAVE_DEEPSPEED, ds_config, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -336,9 +336,7 @@ def test_a_bucket_drained_during_an_aborted_backward_fails_closed_and_an_undrain
     import graphscale
 
     net, plain = fb.models(where, 1)[0], fb.models(where, 1)[0]
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": fb.GAS,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 4}, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10**9}
+    cfg = ds_config(fb.GAS, stage, micro_batch=2, zero={"reduce_bucket_size": 4})
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=fb.LR), config=cfg)
     with graphscale.install(engine):
         _fail_once(engine, net, 0)
@@ -361,9 +359,8 @@ def _low_precision_window(dtype: str, stage: int, fail_at: int | None) -> Any:
     import graphscale
 
     net = fb.models("user_hook", 1)[0]
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": fb.GAS,
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-           dtype: {"enabled": True, **({"initial_scale_power": 4} if dtype == "fp16" else {})}}
+    cfg = ds_config(fb.GAS, stage, micro_batch=2, bf16=dtype == "bf16",
+                    fp16={"initial_scale_power": 4} if dtype == "fp16" else None)
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=fb.LR), config=cfg)
     half = torch.bfloat16 if dtype == "bf16" else torch.float16
     with graphscale.install(engine):

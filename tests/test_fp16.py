@@ -56,7 +56,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TanhMLP as Net
-from conftest import ds_config, ds_device, max_rel_err, require_deepspeed
+from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 
@@ -108,12 +108,10 @@ def fp16_here(request: pytest.FixtureRequest, ds_dist: None, monkeypatch: pytest
 
 # ------------------------------------------------------------------ engines, graphs, oracle
 def fp16_config(name: str, stage: int) -> dict[str, Any]:
-    cfg = ds_config(GAS[name], stage)
-    cfg["gradient_clipping"] = 0.0  # DeepSpeed clips to norm 1 unless told: the reference does not clip
-    # hysteresis 1: the first overflow halves the scale (DeepSpeed's default waits for a second)
-    cfg["fp16"] = {"enabled": True, "initial_scale_power": SCALE_POWER[name], "hysteresis": 1,
-                   "loss_scale_window": 1000}
-    return cfg
+    # clip 0: DeepSpeed clips to norm 1 unless told, the reference does not clip; hysteresis 1: the first
+    # overflow halves the scale (DeepSpeed's default waits for a second)
+    return ds_config(GAS[name], stage, clip=0.0,
+                     fp16={"initial_scale_power": SCALE_POWER[name], "hysteresis": 1, "loss_scale_window": 1000})
 
 
 def _f(t: torch.Tensor) -> torch.Tensor:
@@ -176,10 +174,7 @@ class Rig:
         return {n: loss_scale(e) for n, e in self.engines.items()}
 
     def grads(self) -> dict[str, list[torch.Tensor]]:
-        from deepspeed.utils import safe_get_full_grad
-
-        return {n: [safe_get_full_grad(p).detach().float().cpu().clone() for p in e.module.parameters()]
-                for n, e in self.engines.items()}
+        return {n: full_grads(e) for n, e in self.engines.items()}
 
     def backward(self, call: str, roots: list[torch.Tensor]) -> None:
         loss = roots[0] if len(roots) == 1 else sum(roots[1:], roots[0])

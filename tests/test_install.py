@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import grad_mismatches, require_deepspeed
+from conftest import grad_mismatches, leaf_grads, require_deepspeed
 from torch import nn
 
 import graphscale
@@ -25,14 +25,6 @@ def _setup() -> tuple[nn.Module, nn.Module, torch.Tensor]:
     )
 
 
-def _grads(*mods: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {
-        f"m{i}.{n}": (None if p.grad is None else p.grad.clone())
-        for i, m in enumerate(mods)
-        for n, p in m.named_parameters()
-    }
-
-
 def _zero(*mods: nn.Module) -> None:
     for m in mods:
         m.zero_grad(set_to_none=True)
@@ -40,7 +32,7 @@ def _zero(*mods: nn.Module) -> None:
 
 def _plain(a: nn.Module, b: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
     (a(x) * b(x)).sum().backward()
-    out = _grads(a, b)
+    out = leaf_grads({"m0": a, "m1": b})
     _zero(a, b)
     return out
 
@@ -62,7 +54,7 @@ def test_handle_is_a_context_manager_that_governs_inside_and_restores_after() ->
         (a(x) * b(x)).sum().backward()
     assert not handle.active
     assert torch.autograd.backward is TORCH_BACKWARD
-    bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.25), "plain")
+    bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), _factors(0.5, 0.25), "plain")
     assert not bad, "\n  ".join(bad)
 
 
@@ -77,7 +69,7 @@ def test_remove_is_idempotent_and_restores_torch_backward_exactly() -> None:
     assert torch.autograd.backward is TORCH_BACKWARD
     assert handle.groups == () and "removed" in repr(handle)
     (a(x) * b(x)).sum().backward()  # ungoverned again: plain gradients
-    bad = grad_mismatches(plain, _grads(a, b), {}, "plain")
+    bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), {}, "plain")
     assert not bad, "\n  ".join(bad)
 
 
@@ -88,14 +80,14 @@ def test_several_installations_add_up_and_removing_one_leaves_the_others_working
     hb = graphscale.install(graphscale.Group(b, gas=4), unowned="plain")
     try:
         (a(x) * b(x)).sum().backward()
-        bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.25), "plain")
+        bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), _factors(0.5, 0.25), "plain")
         assert not bad, "both installations should apply:\n  " + "\n  ".join(bad)
         _zero(a, b)
 
         ha.remove()
         assert torch.autograd.backward is _backward.governed_backward
         (a(x) * b(x)).sum().backward()
-        bad = grad_mismatches(plain, _grads(a, b), _factors(None, 0.25), "plain")
+        bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), _factors(None, 0.25), "plain")
         assert not bad, "after removing a's installation, b alone:\n  " + "\n  ".join(bad)
         _zero(a, b)
     finally:
@@ -103,7 +95,7 @@ def test_several_installations_add_up_and_removing_one_leaves_the_others_working
         hb.remove()
     assert torch.autograd.backward is TORCH_BACKWARD
     (a(x) * b(x)).sum().backward()
-    bad = grad_mismatches(plain, _grads(a, b), {}, "plain")
+    bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), {}, "plain")
     assert not bad, "after the last removal, plain PyTorch:\n  " + "\n  ".join(bad)
 
 
@@ -113,11 +105,11 @@ def test_nested_context_managers_restore_the_outer_installation() -> None:
     with graphscale.install(graphscale.Group(a, gas=2), unowned="plain"):
         with graphscale.install(graphscale.Group(b, gas=8)):
             (a(x) * b(x)).sum().backward()
-            bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, 0.125), "plain")  # "plain" wins
+            bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), _factors(0.5, 0.125), "plain")  # "plain" wins
             assert not bad, "\n  ".join(bad)
             _zero(a, b)
         (a(x) * b(x)).sum().backward()
-        bad = grad_mismatches(plain, _grads(a, b), _factors(0.5, None), "plain")
+        bad = grad_mismatches(plain, leaf_grads({"m0": a, "m1": b}), _factors(0.5, None), "plain")
         assert not bad, "\n  ".join(bad)
     assert torch.autograd.backward is TORCH_BACKWARD
 
@@ -150,10 +142,10 @@ def test_tensor_backward_and_autograd_backward_are_both_governed(unowned: str) -
     plain = _plain(a, b, x)
     with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(b, gas=4), unowned=unowned):
         (a(x) * b(x)).sum().backward()
-        via_tensor = _grads(a, b)
+        via_tensor = leaf_grads({"m0": a, "m1": b})
         _zero(a, b)
         torch.autograd.backward([(a(x) * b(x)).sum()])
-        via_function = _grads(a, b)
+        via_function = leaf_grads({"m0": a, "m1": b})
     for got in (via_tensor, via_function):
         bad = grad_mismatches(plain, got, _factors(0.5, 0.25), unowned)
         assert not bad, "\n  ".join(bad)

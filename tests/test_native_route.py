@@ -1,9 +1,9 @@
 """The native route (graphscale/_backward/route.py, NOTE [ One native call per
 backward ] in graphscale/_native/registry.h) against the Python route, the
 reference: the same gradients, bit for bit, and the same walks on the
-property tests' random programs and on the shapes that take each branch
-(left alone, fast path, planned, nested); and nothing left behind when a
-native hook or the backward itself fails."""
+property tests' random programs (tests/_programs.py) and on the shapes that
+take each branch (left alone, fast path, planned, nested); and nothing left
+behind when a native hook or the backward itself fails."""
 from __future__ import annotations
 
 import warnings
@@ -14,8 +14,8 @@ import _seams
 import pytest
 import torch
 from _functions import Boom, Recompute
+from _programs import Program, World, programs
 from hypothesis import HealthCheck, given, settings
-from test_property import Program, World, programs
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

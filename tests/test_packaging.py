@@ -1,8 +1,9 @@
-"""A user's install: the sdist and the wheel carry the native walker's source,
-and a wheel installed (not editable) into a fresh environment with an empty
-graphscale cache never makes a backward wait for the compiler: backwards
-during the build are planned by the Python walker, later ones by the native
-walker, every one exact; the next process loads the cached build at install().
+"""A user's install: the sdist and the wheel carry the native walker's source
+and the ``py.typed`` marker, and a wheel installed (not editable) into a
+fresh environment with an empty graphscale cache never makes a backward wait
+for the compiler: backwards during the build are planned by the Python
+walker, later ones by the native walker, every one exact; the next process
+loads the cached build at install().
 
 NOTE [ No backward waits for a compiler ] in graphscale/_native/__init__.py.
 One real C++ build (~30 s on 2 cores, more on a busy machine)."""
@@ -23,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 NATIVE_FILES = ("graphscale/_native/__init__.py", "graphscale/_native/build.py", "graphscale/_native/walker.cpp",
                 *sorted(f"graphscale/_native/{p.name}" for p in (REPO / "graphscale" / "_native").glob("*.h")))
+TYPED = "graphscale/py.typed"  # PEP 561: a user's type checker reads graphscale's annotations
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="the test holds the build's lock with fcntl")
 
@@ -175,13 +177,13 @@ def test_wheel_install_ships_native_walker_and_never_stalls_a_backward(tmp_path:
                  cwd=src).stdout.strip().splitlines()[-1]
     with tarfile.open(dist / sdist) as tar:
         in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    assert set(NATIVE_FILES) <= in_sdist, sorted(in_sdist)
+    assert {*NATIVE_FILES, TYPED} <= in_sdist, sorted(in_sdist)
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
           "-w", str(dist), str(dist / sdist)], cwd=tmp_path)
     (wheel,) = dist.glob("graphscale-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         in_wheel = set(zf.namelist())
-    assert set(NATIVE_FILES) <= in_wheel, sorted(in_wheel)
+    assert {*NATIVE_FILES, TYPED} <= in_wheel, sorted(in_wheel)
 
     # A fresh environment that sees this one's torch (a virtual environment
     # or a system install).  This one may hold an editable graphscale (CI and

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from _functions import BackwardThrough, Cube, Recompute
-from conftest import grad_mismatches
+from conftest import grad_mismatches, leaf_grads
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
@@ -88,20 +88,16 @@ class World:
 Program = Callable[[World], "dict[str, torch.Tensor] | None"]
 
 
-def _grads(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-    return {k: (None if t.grad is None else t.grad.detach().clone()) for k, t in tensors.items()}
-
-
 def run_plain_and_governed(program: Program, gas: tuple[int, ...], unowned: str) -> None:
     """Run ``program`` plain and governed; assert the contract, and that it is not vacuous."""
     plain_world = World(gas)
     plain_extra = program(plain_world) or {}
-    plain = {**_grads(plain_world.leaves()), **_grads(plain_extra)}
+    plain = {**leaf_grads(plain_world.leaves()), **leaf_grads(plain_extra)}
 
     world = World(gas)
     with graphscale.install(*world.groups(), unowned=unowned):
         extra = program(world) or {}
-    got = {**_grads(world.leaves()), **_grads(extra)}
+    got = {**leaf_grads(world.leaves()), **leaf_grads(extra)}
 
     factor_of = world.factor_of()
     bad = grad_mismatches(plain, got, factor_of, unowned, params=world.params())
@@ -388,7 +384,7 @@ def test_callable_gas_is_read_at_every_backward(unowned: str) -> None:
     plain_steps = []
     for _ in range(len(steps)):
         step(plain_world)
-        plain_steps.append(_grads(plain_world.leaves()))
+        plain_steps.append(leaf_grads(plain_world.leaves()))
         for t in plain_world.leaves().values():
             t.grad = None
 
@@ -397,7 +393,7 @@ def test_callable_gas_is_read_at_every_backward(unowned: str) -> None:
         for i in range(len(steps)):
             now["i"] = i
             step(world)  # grads accumulate over the steps, each with that step's gas
-    got = _grads(world.leaves())
+    got = leaf_grads(world.leaves())
     want: dict[str, torch.Tensor | None] = {}
     for k in got:
         owner = k.split(".")[0]
@@ -445,7 +441,7 @@ def test_groups_with_factor_one_cost_nothing(unowned: str, monkeypatch: pytest.M
     with graphscale.install(*world.groups(), unowned=unowned):
         program(world)
     assert calls == [], f"factor 1 should cost nothing, but graphscale ran: {calls}"
-    bad = grad_mismatches(_grads(plain_world.leaves()), _grads(world.leaves()), world.factor_of(), "plain")
+    bad = grad_mismatches(leaf_grads(plain_world.leaves()), leaf_grads(world.leaves()), world.factor_of(), "plain")
     assert not bad, "\n  ".join(bad)
     # The spies do see work once a factor differs from 1 (so the test can fail):
     world = World((1, 2))

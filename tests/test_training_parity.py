@@ -39,10 +39,10 @@ import torch
 import graphscale
 
 try:
-    from conftest import ds_config, require_deepspeed
+    from conftest import TanhMLP, ds_config, full_grads, require_deepspeed
 except ImportError:  # run as a worker script: tests/ is not on sys.path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import ds_config, require_deepspeed
+    from conftest import TanhMLP, ds_config, full_grads, require_deepspeed
 from _functions import Boom
 from _ranks import deepspeed_rank, finish, rank_results, run_ranks
 
@@ -70,14 +70,11 @@ WORLD = 2
 
 
 # ------------------------------------------------------------------ models and shapes
-class Net(torch.nn.Module):
+class Net(TanhMLP):
     """tanh(l1 x) then l2; ``reentrant`` checkpoints the l2 half (torch, use_reentrant=True)."""
 
     def __init__(self, seed: int, reentrant: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.l1 = torch.nn.Linear(4, 4)
-        self.l2 = torch.nn.Linear(4, 4)
+        super().__init__(seed)
         self.reentrant = reentrant
         self.boom = False  # the output's backward raises: after the engine's output hooks, before any gradient
 
@@ -251,12 +248,6 @@ def _fp32_params(engine: Any) -> list[torch.Tensor]:
     return out
 
 
-def _full_grads(engine: Any) -> list[torch.Tensor]:
-    from deepspeed.utils import safe_get_full_grad
-
-    return [safe_get_full_grad(p).detach().float().clone() for p in engine.module.parameters()]
-
-
 def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     scale = max(w.abs().max().item() for w in want) or 1.0
     return max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)) / scale
@@ -311,11 +302,10 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
     engines: dict[str, Any] = {}
     for n, ref in refs.items():
         m = copy.deepcopy(ref)  # before initialize: ZeRO-3 partitions m's parameters
-        cfg = ds_config(GAS[n], case.stage, bf16=case.variant == "bf16")
-        cfg["train_micro_batch_size_per_gpu"] = 3
-        cfg["gradient_clipping"] = 0.0  # ZeRO clips to norm 1 unless told: the reference does not clip
-        if case.variant == "fp16":  # hysteresis 1: an overflow halves the scale at once
-            cfg["fp16"] = {"enabled": True, "initial_scale_power": SCALE_POWER[n], "hysteresis": 1}
+        # clip 0: ZeRO clips to norm 1 unless told, the reference does not clip; fp16's hysteresis 1: an
+        # overflow halves the scale at once
+        fp16 = {"initial_scale_power": SCALE_POWER[n], "hysteresis": 1} if case.variant == "fp16" else None
+        cfg = ds_config(GAS[n], case.stage, micro_batch=3, clip=0.0, bf16=case.variant == "bf16", fp16=fp16)
         engines[n], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), config=cfg)
     opts = {n: torch.optim.SGD(r.parameters(), lr=LR) for n, r in refs.items()}
     acc = {n: [torch.zeros_like(p) for p in r.parameters()] for n, r in refs.items()}
@@ -348,7 +338,8 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
         x, y = _data(rank, MICRO_STEPS)
         _backward(case.call, shape.loss(_view(engines, engines["A"].module, x, y, dtype)), engines)
         plain = _plain_grads(shape, refs, MICRO_STEPS, world)
-        out["grad_err"] = max(_rel(_full_grads(engines[n]), [g * _loss_scale(engines[n]) / GAS[n] for g in plain[n]])
+        out["grad_err"] = max(_rel(full_grads(engines[n], cpu=False),
+                                   [g * _loss_scale(engines[n]) / GAS[n] for g in plain[n]])
                               for n in refs)
     except Exception as exc:  # DeepSpeed's own failure in step(): the outcome, recorded
         out.update(status="raises", error=f"{type(exc).__name__}: {exc}"[:300])

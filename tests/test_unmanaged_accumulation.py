@@ -57,8 +57,7 @@ def test_unmanaged_accumulation_steps_each_engine_with_its_factor(ds_dist: None,
     engines: dict[str, Any] = {}
     for n, ref in refs.items():
         m = copy.deepcopy(ref)
-        cfg = ds_config(GAS[n], stage)
-        cfg.update(train_micro_batch_size_per_gpu=3, gradient_clipping=0.0, managed_gradient_accumulation=False)
+        cfg = ds_config(GAS[n], stage, micro_batch=3, clip=0.0, managed_gradient_accumulation=False)
         engines[n], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), config=cfg)
         assert not engines[n].managed_gradient_accumulation()
     opts = {n: torch.optim.SGD(r.parameters(), lr=LR) for n, r in refs.items()}

@@ -42,7 +42,15 @@ import _untouched
 import pytest
 import torch
 from _ranks import free_port, rank_results, run_ranks
-from conftest import HAVE_DEEPSPEED, full_grads, grad_mismatches, max_rel_err, native_route_or_skip, require_deepspeed
+from conftest import (
+    HAVE_DEEPSPEED,
+    full_grads,
+    grad_mismatches,
+    leaf_grads,
+    max_rel_err,
+    native_route_or_skip,
+    require_deepspeed,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -79,10 +87,6 @@ class Tower(nn.Module):
 
 def _data(seed: int) -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
-
-
-def _named_grads(prefix: str, module: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {f"{prefix}.{n}": None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
 
 
 def _plain_grads(module: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor]) -> list[torch.Tensor]:
@@ -369,15 +373,6 @@ def _mixed_run(case: Mixed, seed: int = 3) -> tuple[dict[str, nn.Module], torch.
     return mods, x, y
 
 
-def _mixed_grads(mods: dict[str, nn.Module], x: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    out: dict[str, torch.Tensor | None] = {}
-    for n, m in mods.items():
-        out.update(_named_grads(n, m))
-    if x.requires_grad:
-        out["x"] = None if x.grad is None else x.grad.clone()
-    return out
-
-
 @pytest.mark.parametrize("unowned", POLICIES)
 @pytest.mark.parametrize("case", list(MIXED))
 def test_mixed_graph_unowned_leaves_get_what_the_policy_says(case: str, unowned: str) -> None:
@@ -385,11 +380,11 @@ def test_mixed_graph_unowned_leaves_get_what_the_policy_says(case: str, unowned:
     mods, x, y = _mixed_run(spec)
     ref_mods, ref_x, ref_y = _mixed_run(spec)
     spec.loss(ref_mods, ref_x, ref_y).backward()  # plain PyTorch: nothing installed yet
-    plain = _mixed_grads(ref_mods, ref_x)
+    plain = leaf_grads({**ref_mods, "x": ref_x} if ref_x.requires_grad else ref_mods)
     groups = [graphscale.Group(mods[n], gas=g, name=n) for n, g in spec.gas.items()]
     with graphscale.install(*groups, unowned=unowned):
         spec.loss(mods, x, y).backward()
-    got = _mixed_grads(mods, x)
+    got = leaf_grads({**mods, "x": x} if x.requires_grad else mods)
     factor_of = {k: 1 / spec.gas[k.split(".")[0]] for k in plain if k.split(".")[0] in spec.gas}
     params = {k for k in plain if k.startswith("u.")}
     bad = grad_mismatches(plain, got, factor_of, unowned, params=params)
@@ -523,12 +518,10 @@ def test_group_made_before_a_wrapper_swapped_its_parameters_warns_once(wrapper: 
         assert "'b'" in msg and "'a'" not in msg, msg
         assert f"unowned={unowned!r}" in msg, msg
     # gradients, two backwards accumulated: 2 x (factor x plain)
-    plain = {}
     for _ in range(2):
         loss_of(a_ref, wrapped_ref).backward()
-    plain.update(_named_grads("a", a_ref))
-    plain.update(_named_grads("wrapped", wrapped_ref))
-    got = {**_named_grads("a", a), **_named_grads("wrapped", wrapped)}
+    plain = leaf_grads({"a": a_ref, "wrapped": wrapped_ref})
+    got = leaf_grads({"a": a, "wrapped": wrapped})
     bad = grad_mismatches(plain, got, {k: 1 / 4 for k in plain if k.startswith("a.")}, unowned,
                           params={k for k in plain if k.startswith("wrapped.")})
     assert not bad, "\n".join(bad)
