@@ -5,8 +5,10 @@ enters, in order, from the patched ``torch.autograd.backward`` to torch's own.
 A module is *entered* when one of its functions is called from another
 module's (a call within a module is not an entry), traced with
 ``sys.setprofile`` from the first call of the patched entry until torch's
-original backward starts.  Several calls in a row from one caller into one
-module (a constructor, then ``__enter__``; one pin per group) are one visit;
+original backward starts; a visit is the module and the function it was
+entered by, the names the NOTE lists.  Several calls in a row from one
+caller into one module (a constructor, then ``__enter__``; one pin per
+group) are one visit;
 a module *re-entered* is one the path enters again after it went on into
 another module.  The native route (every backward by default) enters at most
 six modules and re-enters none; the Python route, the reference, enters the
@@ -28,18 +30,21 @@ from graphscale._backward import route as _route
 
 ORIGINAL = _call.ORIGINAL_BACKWARD.__code__
 ENTRY = _entry.governed_backward.__code__
-NATIVE_TOP_LEVEL = ["_backward/entry.py", "_backward/call.py", "_backward/frames.py", "_core/snapshot.py",
-                    "_core/group.py", "_backward/route.py"]
-NATIVE_NESTED = ["_backward/entry.py", "_backward/route.py", "_backward/frames.py"]
+NATIVE_TOP_LEVEL = [("_backward/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
+                    ("_backward/frames.py", "open_frame.__init__"), ("_core/snapshot.py", "State.read"),
+                    ("_core/group.py", "read_pins"), ("_backward/route.py", "govern_natively")]
+NATIVE_NESTED = [("_backward/entry.py", "governed_backward"), ("_backward/route.py", "govern_nested_natively"),
+                 ("_backward/frames.py", "compiled_autograd_active")]
 
 
 def _module_of(filename: str) -> str | None:
     return filename.split("/graphscale/", 1)[1] if "/graphscale/" in filename else None
 
 
-def path_of(run: Callable[[], None]) -> list[str]:
-    """The modules one backward started by ``run()`` visits, in order."""
-    visits: list[str] = []
+def path_of(run: Callable[[], None]) -> list[tuple[str, str]]:
+    """The modules one backward started by ``run()`` visits, in order, each
+    with the function it was entered by."""
+    visits: list[tuple[str, str]] = []
     state = {"on": False, "done": False}
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -57,8 +62,8 @@ def path_of(run: Callable[[], None]) -> list[str]:
         caller = frame.f_back
         if module is None or (caller is not None and _module_of(caller.f_code.co_filename) == module):
             return
-        if not visits or visits[-1] != module:
-            visits.append(module)
+        if not visits or visits[-1][0] != module:
+            visits.append((module, code.co_qualname))
 
     sys.setprofile(profile)
     try:
@@ -69,15 +74,16 @@ def path_of(run: Callable[[], None]) -> list[str]:
     return visits
 
 
-def reentered(visits: list[str]) -> dict[str, int]:
+def reentered(visits: list[tuple[str, str]]) -> dict[str, int]:
     """Per module, how often the path entered it again after leaving it."""
-    return {m: visits.count(m) - 1 for m in dict.fromkeys(visits) if visits.count(m) > 1}
+    modules = [m for m, _ in visits]
+    return {m: modules.count(m) - 1 for m in dict.fromkeys(modules) if modules.count(m) > 1}
 
 
 class _Recompute(torch.autograd.Function):
     """A reentrant checkpoint in miniature whose backward traces its nested backward."""
 
-    traced: list[str] = []
+    traced: list[tuple[str, str]] = []
 
     @staticmethod
     def forward(ctx: Any, block: Any, h: torch.Tensor) -> torch.Tensor:
@@ -145,4 +151,5 @@ def test_the_python_route_re_enters_no_module_more_than_once(monkeypatch: pytest
     for visits in (top, nested):
         assert all(n <= 1 for n in reentered(visits).values()), visits
     assert top[:len(NATIVE_TOP_LEVEL)] == NATIVE_TOP_LEVEL, top  # the same reading, then route.py hands back
-    assert "_backward/python_route.py" in top and "_backward/python_route.py" in nested
+    assert ("_backward/python_route.py", "govern_in_python") in top, top
+    assert ("_backward/python_route.py", "govern_nested_in_python") in nested, nested

@@ -7,7 +7,7 @@ graphscale's native hooks are C++ and compiled autograd cannot lift them, so
 such a backward takes the Python route (NOTE [ Which route governs a
 backward ] in graphscale/_backward/route.py), counted with the reason "compiled
 autograd"; DeepSpeed's prologue and graphscale's hook-time reads run eagerly
-(NOTE [ Under compiled autograd ] in graphscale/_adapters/deepspeed/engine.py).  Every
+(NOTE [ Under compiled autograd ] in graphscale/_adapters/deepspeed/compiled.py).  Every
 case is checked against plain PyTorch in the same test, step after step, and
 counts compiled autograd's captures: one per graph shape, none per step.
 Where DeepSpeed alone fails under compiled autograd (ZeRO 3; ZeRO 2 under

@@ -107,7 +107,7 @@ class _AfterTraceRules(importlib.abc.MetaPathFinder):
 # ---------------------------------------------------------------- under compiled autograd
 def eager(fn: Any) -> Any:
     """``fn`` run with dynamo off for its whole extent (compiled autograd is on,
-    so dynamo is imported): NOTE [ Under compiled autograd ] in _adapters/deepspeed/engine.py."""
+    so dynamo is imported): NOTE [ Under compiled autograd ] in _adapters/deepspeed/compiled.py."""
     import torch
 
     return torch._dynamo.disable(fn)

@@ -15,21 +15,26 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 # once, in this order, before torch's own backward runs:
 #   entry.governed_backward         the patched torch.autograd.backward
 #   call.BackwardCall.of            the call, read once
-#   frames.top_level                scale_wrt_gas, what the seeds carry, what
+#   frames.open_frame               scale_wrt_gas, what the seeds carry, what
 #                                   completes it if it raises
 #   _core/snapshot.State.read       the factors, one per group, through
-#   _core/group.Group.pin           each group's gas or factor (and loss scale)
-#   route.top_level                 one native call, Governor.top
+#   _core/group.read_pins           each group's Group.pin: its gas or factor
+#                                   (and loss scale)
+#   route.govern_natively           one native call, Governor.top
 #                                   (_native/govern.h): decide, walk, plan,
 #                                   seeds, hooks, bind, register, then
 #   torch.autograd.backward         as torch defined it.
 # A nested backward (a reentrant checkpoint's recompute):
-#   entry.governed_backward -> route.nested -> govern_nested -> torch.
+#   entry.governed_backward -> route.govern_nested_natively (which asks
+#   frames.compiled_autograd_active) -> govern_nested (_native/govern.h)
+#   -> torch.
 # Where the native route declines (counted: NOTE [ Which route governs a
-# backward ] in route.py), route.top_level hands back and the Python route
-# runs from the reading on: python_route -> decide (probe or plan) -> hooks
-# -> running (register, bind) -> call.BackwardCall.run -> torch.
-# tests/test_backward_path.py traces these paths and pins them.
+# backward ] in route.py), route.govern_natively hands back and the Python
+# route runs from the reading on: python_route.govern_in_python -> decide
+# (probe or plan) -> hooks -> running (register, bind) ->
+# call.BackwardCall.run -> torch.
+# tests/test_backward_path.py traces these paths and pins them, each module
+# with the function named here.
 #
 # NOTE [ Fast path ]
 # When every installed group has the same factor f, every owned leaf is right
@@ -168,20 +173,22 @@ def governed_backward(
     current_node = torch._C._current_autograd_node()
     if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
         if inputs is None and grad_variables is None:
-            if _route.nested(tensors, grad_tensors, retain_graph, create_graph, current_node):
+            if _route.govern_nested_natively(tensors, grad_tensors, retain_graph, create_graph, current_node):
                 return None
         else:
             _route.declined("inputs=")  # the Python route pins inputs= leaves
         call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        return _python_route.run_nested(call, current_node)
+        return _python_route.govern_nested_in_python(call, current_node)
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     observers = _observation.ACTIVE.observers
     if observers:
-        return observers[-1](_top_level, call)  # (graphscale.audit: it runs _top_level once)
-    return _top_level(call)
+        return observers[-1](_govern_if_installed, call)  # (graphscale.audit: it runs it once)
+    return _govern_if_installed(call)
 
 
-def _top_level(call: BackwardCall) -> None:
+def _govern_if_installed(call: BackwardCall) -> None:
+    """The top-level backward ``call`` governed by the installed snapshot, or
+    run as torch would where none is installed any more."""
     state = _snapshot.installed
     if state is None or call.roots is None:  # removed meanwhile, or malformed: torch raises its own error
         with _sharing.hold(False):  # (a backward begun before remove() may still hook)
@@ -196,10 +203,10 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
     laps = _observation.laps() if _observation.ACTIVE.phases else None
     _enter()
     try:
-        with _frames.top_level(laps) as frame:  # NOTE [ A backward that raised ] in frames.py
+        with _frames.open_frame(laps) as frame:  # NOTE [ A backward that raised ] in frames.py
             reading = state.read(frame.scaling)  # may raise: nothing touched yet
-            if _route.top_level(call, reading, frame, native):
+            if _route.govern_natively(call, reading, frame, native):
                 return None  # NOTE [ One native call per backward ] in _native/registry.h
-            return _python_route.run_top_level(call, reading, frame)
+            return _python_route.govern_in_python(call, reading, frame)
     finally:
         _leave()

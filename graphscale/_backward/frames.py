@@ -1,7 +1,7 @@
 """What a backward on this thread runs inside: the frames of an adapter's
 ``engine.backward`` (:func:`engine_backward`: ``scale_wrt_gas``, what the
 seeds carry already, the caller), and the :class:`Frame` of each top-level
-governed backward (:class:`top_level`), with the list of what completes its
+governed backward (:class:`open_frame`), with the list of what completes its
 engines' part if it raises.  Imports nothing of graphscale.
 
 # NOTE [ A backward that raised ]
@@ -33,7 +33,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-__all__ = ["CARRIES_ATTR", "Frame", "top_level", "innermost", "engine_backward", "engine_backward_frame",
+__all__ = ["CARRIES_ATTR", "Frame", "open_frame", "innermost", "engine_backward", "engine_backward_frame",
            "engine_backward_caller", "gas_scaling_enabled", "compiled_autograd_active"]
 
 # A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
@@ -121,8 +121,8 @@ class Frame:
         self.on_failure: list[Callable[[], None]] = []
 
 
-class top_level:
-    """``with top_level(laps) as frame:`` around one top-level governed
+class open_frame:
+    """``with open_frame(laps) as frame:`` around one top-level governed
     backward on this thread: its :class:`Frame`, read from the innermost
     :func:`engine_backward`; on an exception, runs what was appended to
     ``frame.on_failure`` (NOTE [ A backward that raised ]), then lets it go on."""

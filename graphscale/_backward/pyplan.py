@@ -171,7 +171,7 @@ PROBE_HIDDEN = 4  # a custom-Function node was seen
 
 
 def probe_python(roots: Sequence[Any], state: State) -> int:
-    """The Python twin of the native ``probe`` (see ``_planning.probe``): PROBE_NO_OWNED, PROBE_FAST or
+    """The Python twin of the native ``probe`` (see ``_backward/decide.py`` probe): PROBE_NO_OWNED, PROBE_FAST or
     PROBE_PLAN, or-ed with PROBE_HIDDEN when a custom-Function node was seen."""
     policy, owner = state.policy, state.owner
     stack = [n for n in map(root_node, roots) if n is not None]

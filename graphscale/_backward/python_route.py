@@ -32,7 +32,7 @@ from .hooks import post_hook
 from .pyplan import PyPlan
 from .unreached import warn_unreached_groups
 
-__all__ = ["run_top_level", "run_nested", "scaled_seeds", "carries"]
+__all__ = ["govern_in_python", "govern_nested_in_python", "scaled_seeds", "carries"]
 
 _log = logging.getLogger("graphscale")
 
@@ -110,7 +110,7 @@ class _Backward:
         return None
 
 
-def run_top_level(call: BackwardCall, reading: Reading, frame: Frame) -> None:
+def govern_in_python(call: BackwardCall, reading: Reading, frame: Frame) -> None:
     """The top-level backward ``call``, its factors read (``reading``), in
     the caller's ``frame``."""
     assert call.roots is not None
@@ -154,7 +154,7 @@ def _run_fast_path(b: _Backward, f: float, nested: float | None) -> None:
     return b.run(seeds, potential=nested)
 
 
-def run_nested(call: BackwardCall, current_node: Any) -> None:
+def govern_nested_in_python(call: BackwardCall, current_node: Any) -> None:
     """A backward called from inside ``current_node``'s backward (NOTE [
     Nested backward ] in entry.py) that the native route did not take."""
     if call.roots is None:

@@ -71,7 +71,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -88,8 +88,8 @@ from .frames import Frame, compiled_autograd_active
 from .hints import checkpoint_hint_positions
 from .unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "top_level", "nested",
-           "trusted", "self_test"]
+__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "govern_natively",
+           "govern_nested_natively", "trusted", "self_test", "register_self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -203,7 +203,7 @@ def _observed(stats: Any, laps: Laps | None, debug: bool, reading: Reading | Non
                    "fast path, " if kind == 1 else "", nodes if kind == 2 else 0, ns[0] * 1e-3, mults, what)
 
 
-def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = None) -> bool:
+def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: Any = None) -> bool:
     """Govern the top-level backward ``call`` in one native call (the loaded
     native module, or ``native``); False where the native route does not
     take it (NOTE [ Which route governs a backward ]: the reason counted,
@@ -228,7 +228,8 @@ def top_level(call: BackwardCall, reading: Reading, frame: Frame, native: Any = 
 
 
 
-def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool, current_node: Any) -> bool:
+def govern_nested_natively(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_graph: bool,
+                           current_node: Any) -> bool:
     """Govern a plain nested backward (NOTE [ Nested backward ] in entry.py;
     roots a tensor, an edge, or a tuple or list of them; seeds None, a
     tensor, or a tuple or list of them; no ``inputs=``): the call a reentrant
@@ -273,8 +274,18 @@ def nested(tensors: Any, grad_tensors: Any, retain_graph: bool | None, create_gr
 _trust_lock = threading.RLock()
 _verdicts: dict[int, tuple[Any, bool]] = {}  # id(native module) -> (the module, whether it passed)
 _testing = threading.local()  # .native: the module this thread's self-test runs
-_self_test: Any = None  # graphscale._backward.selftest.failure, registered from above at import (it runs both routes)
+_self_test: Callable[[Any], str | None] | None = None  # register_self_test's (selftest.failure)
 _passed: Any = None  # the last native module that passed (decline_reason's fast check)
+
+
+def register_self_test(failure: Callable[[Any], str | None]) -> None:
+    """Make ``failure`` NOTE [ The native route's self-test ]: ``failure(native)``
+    runs the fixed program through both routes and returns what failed, or
+    None.  ``_backward/selftest.py`` registers it at import: it runs both
+    routes, so it sits above this module and this module cannot import it."""
+    global _self_test
+    with _trust_lock:
+        _self_test = failure
 
 
 def trusted(native: Any) -> bool:

@@ -1,8 +1,9 @@
 """NOTE [ The native route's self-test ] (in _backward/route.py): a tiny fixed
 program through both routes and plain PyTorch.  Above the governed backward
-(it runs both of its routes); registered into ``_route`` at import.  The
-Python route's half runs on its own at the first install() of a process
-(``require_python_route``, NOTE [ Newer releases ] in _core/releases.py)."""
+(it runs both of its routes); registered at import through
+``route.register_self_test``.  The Python route's half runs on its own at
+the first install() of a process (``require_python_route``, NOTE [ Newer
+releases ] in _core/releases.py)."""
 from __future__ import annotations
 
 import threading
@@ -121,4 +122,4 @@ def require_python_route() -> None:
             "release, and report it with `python -m graphscale env`. Nothing was installed.")
 
 
-_route._self_test = failure
+_route.register_self_test(failure)

@@ -3,10 +3,12 @@ and the modules beside it: ``_adapters/deepspeed/engine.py`` (what graphscale
 changes on an engine: NOTE [ DeepSpeed's two generations ], NOTE [ One
 lifecycle per backward ]), ``_adapters/deepspeed/failed.py`` (NOTE [ An aborted
 backward counts for nothing ]), ``_adapters/deepspeed/checks.py`` (NOTE [ DeepSpeed drift ]),
-``_adapters/deepspeed/compiled.py``, ``_adapters/deepspeed/hooks.py`` and
-``_adapters/deepspeed/reads.py``; none imports deepspeed:
-they read ``sys.modules``.  This one defines an engine's group and registers
-the adapter with graphscale's registry (``_core/registry.py``) at import.
+``_adapters/deepspeed/compiled.py`` (NOTE [ Under compiled autograd ]),
+``_adapters/deepspeed/watch.py`` (the diagnosis' watch of an engine),
+``_adapters/deepspeed/hooks.py`` and ``_adapters/deepspeed/reads.py``; none
+imports deepspeed: they read ``sys.modules``.  This one defines an engine's
+group and registers the adapter with graphscale's registry
+(``_core/registry.py``) at import.
 
 # NOTE [ fp16 engines ]
 # An fp16 engine's optimizer expects its gradients multiplied by its own
@@ -41,9 +43,10 @@ from ..._core.errors import GraphscaleError
 from ..._core.group import UNSET, Group
 from ..._core.releases import newer_than_tested
 from .checks import TESTED, check_installed
-from .engine import after_epilogue, attach, observe
+from .engine import after_epilogue, attach
 from .hooks import is_output_hooked
 from .reads import is_engine, scale_reader, scale_source
+from .watch import observe
 
 __all__ = ["EngineGroup", "loss_scale", "ADAPTER"]
 

@@ -1,8 +1,10 @@
 """What graphscale changes on a DeepSpeed engine while it is installed, and
 undoes at remove: the engine's output hooks (two data descriptors on
-DeepSpeed's hook-manager class) and its ``backward``/``scale``/epilogue
+DeepSpeed's hook-manager class) and its ``backward``/``scale``/prologue/epilogue
 (shadowed on the instance).  Part of the DeepSpeed adapter (``_adapters/deepspeed/__init__.py``);
-reads ``sys.modules``, never imports deepspeed.
+reads ``sys.modules``, never imports deepspeed.  Beside it: the diagnosis'
+watch of an engine it does not govern (``watch.py``) and what changes under
+compiled autograd (``compiled.py``).
 
 # NOTE [ DeepSpeed's two generations ]
 # DeepSpeed divides by GAS in one of two places, by version:
@@ -29,7 +31,7 @@ reads ``sys.modules``, never imports deepspeed.
 #     started stays governed if remove() runs inside it.  The descriptors come off with
 #     graphscale's patch of torch.autograd.backward (hooks.py redirect_off);
 #   * the loss division: engine.backward is shadowed by a function that calls
-#     DeepSpeed's with scale_wrt_gas=False inside _running.engine_backward(...),
+#     DeepSpeed's with scale_wrt_gas=False inside engine_backward(...) (_backward/frames.py),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
 # Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
 # reduction hooks, timers) runs untouched, once per backward (NOTE [ One
@@ -58,39 +60,6 @@ reads ``sys.modules``, never imports deepspeed.
 # would have is what the adapter watches), so the next backward reduces, as
 # it does after an interrupted engine.backward.  A reference pass (audit)
 # runs no prologue at all.
-#
-# NOTE [ Under compiled autograd ]
-# Compiled autograd lifts every hook into a graph that dynamo traces; it
-# traced DeepSpeed's output hook into the engine's prologue and on into
-# ZeRO's queue_callback, which dynamo refuses outside fullgraph=True
-# ("queue_callback() is only supported when Compiled Autograd is enabled
-# with fullgraph=True"): every engine backward failed there under
-# graphscale.  DeepSpeed alone fails the same way where its output is not
-# the loss (critic(engine(x)), measured); where it is (engine(x).sum()) it
-# got through only because dynamo dropped its prologue (ZeRO's backward
-# depth stayed 0, measured), so no epilogue was queued.  Under graphscale the prologue is shadowed on the instance by a
-# function of this module that, while compiled autograd is on, runs
-# DeepSpeed's prologue with dynamo disabled (torch._dynamo.disable: once per
-# backward, so its microsecond does not matter); and this module, the hook
-# descriptors (_adapters/deepspeed/hooks.py) and the task bindings (_backward/running.py), like
-# every graphscale module but _backward/hooks.py, are on dynamo's skip list (NOTE [
-# graphscale is not traced by dynamo ] in _backward/dynamo.py): dynamo breaks its
-# graph at them and they run eagerly, on the real graph task, every step.  So the prologue runs once,
-# queues ZeRO's epilogue as in an uncompiled backward, and nothing per
-# backward is baked into a capture.  Measured (0.19.8, fp32 and bf16, four
-# micro-steps with step(), tests/test_compiled_autograd.py): exact against
-# plain PyTorch with torch's switch around engine.backward at ZeRO 1 and 2,
-# and with DeepSpeed's switch (compiled autograd inside engine.backward) at
-# ZeRO 1; the same captures as DeepSpeed alone.  Where DeepSpeed alone fails under
-# compiled autograd, graphscale refuses with the reason before the engine's
-# backward runs: engine.backward at ZeRO 3 (either switch; DeepSpeed alone:
-# "AssertionError: 1 != 2" in compiled autograd's sizes of the partitioned
-# parameters) and under DeepSpeed's switch at ZeRO 2 (dynamo: "sources must
-# not be empty for symbol"); a direct loss.backward() under torch's switch
-# (DeepSpeed's queued epilogue never runs: "KeyError: 0" at step()), at the
-# engine's prologue, before any of its gradients.  Not at install(): the
-# same engine's direct loss.backward() under DeepSpeed's switch runs
-# uncompiled (DeepSpeed compiles engine.backward's only) and is exact.
 """
 from __future__ import annotations
 
@@ -98,20 +67,18 @@ from typing import Any, Callable
 
 import torch
 
-from ..._backward.dynamo import eager
 from ..._backward.frames import CARRIES_ATTR, compiled_autograd_active, engine_backward
 from ..._core.errors import GraphscaleError
 from ..._core.observation import laps
 from .checks import check_engine
-from .compiled import refuse_compiled_autograd
+from .compiled import prologue_under_compiled_autograd, refuse_compiled_autograd
 from .failed import Attempt, Drains, begin, deepspeed_recovers, discard, fail_closed, refuse_next
 from .hooks import PROLOGUE, SHADOWED, redirect_off, redirect_on
 from .hooks import attached as _attached
 from .hooks import lock as _lock
-from .hooks import observed as _observed
 from .reads import is_zero_optimizer, scale_reader
 
-__all__ = ["attach", "observe", "after_epilogue"]
+__all__ = ["attach", "after_epilogue"]
 
 class _EngineAdapter:
     """Switches one engine's loss division off while it is installed
@@ -192,13 +159,12 @@ class _EngineAdapter:
 
     def prologue(self) -> None:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
-        eagerly under compiled autograd (NOTE [ Under compiled autograd ])."""
+        eagerly under compiled autograd (NOTE [ Under compiled autograd ] in
+        _adapters/deepspeed/compiled.py)."""
         if not compiled_autograd_active():
             self.deepspeeds_prologue()
         else:
-            if self.active and not getattr(self.engine, "_running_engine_backward", False):
-                refuse_compiled_autograd(self.engine, "graphscale: a direct loss.backward()", direct=True)
-            eager(self.deepspeeds_prologue)()
+            prologue_under_compiled_autograd(self.engine, self.deepspeeds_prologue, self.active)
         if self.open and self.drains is not None:  # a governed backward of the engine starts
             self.attempt = begin(self.engine, self.drains, self.window == self.engine.global_steps)
 
@@ -277,48 +243,6 @@ def after_epilogue(engine: Any, fn: Callable[[], None]) -> bool:
         return False
     adapter.after_epilogue.append(fn)
     return True
-
-
-def observe(engine: Any) -> Callable[[], None]:
-    """Watch ``engine`` without governing it (``graphscale.diagnose``): the
-    hook-manager descriptors on (they hand DeepSpeed's own values to every
-    backward no snapshot governs, and hold the prologue in a reference pass),
-    and ``engine.backward`` shadowed by a wrapper that only says, while it
-    runs, which engine's backward this is and its ``scale_wrt_gas``.  Returns
-    the function that undoes the shadow."""
-    with _lock:
-        if id(engine) in _attached:
-            raise GraphscaleError(
-                "graphscale.diagnose: this engine is installed (graphscale governs it), so DeepSpeed's own "
-                "scaling cannot be seen; use graphscale.audit() inside the installation instead.")
-        check_engine(engine, scale_reader)  # NOTE [ DeepSpeed drift ]
-        if "backward" in engine.__dict__:
-            raise GraphscaleError("graphscale.diagnose: this engine's backward is already replaced on the "
-                                  "instance (another diagnosis, or another tool); diagnose it once.")
-        redirect_on()
-        _observed.add(id(engine))
-        cls = type(engine)
-        deepspeeds_backward = cls.backward.__get__(engine, cls)
-
-        def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
-            running = getattr(engine, "_running_engine_backward", False)
-            try:
-                with engine_backward(scale_wrt_gas, 1.0, (engine, loss)):
-                    return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-            finally:  # <= 0.19.5 leaves it True when its backward raised (the diagnosis' refusal, for one)
-                engine._running_engine_backward = running
-
-        backward.__doc__ = deepspeeds_backward.__doc__
-        engine.backward = backward
-
-    def undo() -> None:
-        with _lock:
-            if engine.__dict__.get("backward") is backward:
-                del engine.__dict__["backward"]
-                _observed.discard(id(engine))
-                redirect_off()
-
-    return undo
 
 
 def attach(engine: Any, name: str) -> Callable[[], None]:

@@ -20,7 +20,7 @@ __all__ = ["attached", "is_output_hooked", "redirect_on", "redirect_off", "PROLO
 
 lock = threading.Lock()  # attach, detach, observe, and the descriptors' lifetime (redirect_off)
 attached: dict[int, Any] = {}  # id(engine) -> its engine.py _EngineAdapter, while installed
-observed: set[int] = set()  # id(engine) of the engines graphscale.diagnose watches now (engine.py observe)
+observed: set[int] = set()  # id(engine) of the engines graphscale.diagnose watches now (watch.py observe)
 # what an adapter puts on its engine instance
 SHADOWED = ("backward", "scale", "_backward_epilogue", "_backward_prologue")
 
