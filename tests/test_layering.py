@@ -388,8 +388,6 @@ def test_the_write_check_catches_writes_into_a_module_and_nothing_else(source: s
 # (x.py: a file of that name somewhere in the package or the repository).
 _CITED = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|cpp|h))\b")
 THIRD_PARTY = {"torch", "deepspeed", "transformers", "accelerate", "pybind11", "Python.h"}  # their paths are theirs
-# Stale citations in C++ that another change owns: the split of walker.cpp (issue 39, item 2).
-STALE_IN_NATIVE = {"python.py"}  # govern.h's Governor.top comment: python_route.py
 
 
 def test_every_file_path_the_package_cites_exists() -> None:
@@ -402,7 +400,7 @@ def test_every_file_path_the_package_cites_exists() -> None:
             continue
         rel = path.relative_to(PKG).as_posix()
         for cited in sorted(set(_CITED.findall(path.read_text()))):
-            if cited.split("/")[0] in THIRD_PARTY or (path.suffix in (".cpp", ".h") and cited in STALE_IN_NATIVE):
+            if cited.split("/")[0] in THIRD_PARTY:
                 continue
             if cited in present or f"graphscale/{cited}" in present or any(
                     p.endswith("/" + cited) for p in present):

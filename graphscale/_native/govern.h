@@ -1,7 +1,7 @@
 // govern.h: one governed backward in one call: decide, plan, seeds, hooks,
 // bind, run the original (Governor.top, govern_nested), and the Python
 // route's nested plan and binding through the same code.  Python twin:
-// graphscale/_backward/python_route.py (run_top_level, run_nested) with
+// graphscale/_backward/python_route.py (govern_in_python, govern_nested_in_python) with
 // graphscale/_backward/decide.py decide.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
@@ -183,10 +183,6 @@ static std::vector<double> carries_of(const py::tuple& roots, double dflt) {
   return out;
 }
 
-// Governor.top: a top-level governed backward (graphscale/_backward/entry.py
-// and python.py from the decision on).  factors: by group position;
-// frame: (scaling, what the seeds carry by default, the backward's
-// on_failure list), graphscale/_backward/frames.py.
 // The probe's verdict for a top-level backward whose groups all have factor
 // `f` (NOTE [ Fast path ] in graphscale/_backward/entry.py): the fast path
 // fills a.mults; *potential is what a bound task carries (NaN: none); true
@@ -228,6 +224,10 @@ static void count_multiplications(const Apply& a, const Governor& g, Outcome* oc
   if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(py::cast(a.plan_owner));
 }
 
+// Governor.top: a top-level governed backward (graphscale/_backward/entry.py
+// and python_route.py govern_in_python from the decision on).  factors: by
+// group position; frame: (scaling, what the seeds carry by default, the
+// backward's on_failure list), graphscale/_backward/frames.py.
 static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads, py::object reading,
                              const py::tuple& flags, py::object frame, bool want_stats) {
   const Governor& g = self.cast<const Governor&>();
