@@ -24,7 +24,7 @@ from torch.autograd.graph import get_gradient_edge
 
 import graphscale
 from graphscale import _native
-from graphscale._backward import decide as _planning
+from graphscale._backward import native_backend as _native_backend
 from graphscale._backward import pyplan as _pyplan
 from graphscale._core import walk as _walk
 from graphscale._core.errors import GraphscaleError
@@ -127,7 +127,7 @@ def assert_same_plan(native: Any, case: dict[str, Any]) -> None:
         inputs=tuple(case["inputs"]), outer_phi=case.get("outer_phi"), hint=case.get("hint"),
     )
     ref, _ = _pyplan.build(case["roots"], request)
-    got = _planning.native_plan(native, case["roots"], request)
+    got = _native_backend.of(native).plan(case["roots"], request)
     problems = []
     if got.num_nodes != len(ref.graph):
         problems.append(f"nodes {got.num_nodes} != {len(ref.graph)}")
@@ -161,7 +161,7 @@ def assert_same_probe(native: Any, roots: list[Any], state: State) -> None:
     stopping depends on the order (depth-first in Python, breadth-first in
     C++): a node seen must then be one the graph has."""
     want = _pyplan.probe_python(roots, state)
-    got = int(native.probe(tuple(roots), _planning.native_owners(state, native), state.policy_index,
+    got = int(native.probe(tuple(roots), _native_backend.native_owners(state, native), state.policy_index,
                            torch.nn.Parameter))
     assert got & 3 == want & 3, f"policy {state.policy}: native verdict {got & 3}, Python {want & 3}"
     verdict = want & 3
@@ -208,7 +208,7 @@ def test_phi_of_unknown_node_is_none(native: Any) -> None:
     p = torch.nn.Parameter(torch.ones(2))
     groups = (graphscale.Group([p], gas=2),)
     state = State.of(groups, "any")
-    plan = _planning.native_plan(native, [(p * 2).sum()], PlanRequest(Reading(state, {groups[0]: 0.5})))
+    plan = _native_backend.of(native).plan([(p * 2).sum()], PlanRequest(Reading(state, {groups[0]: 0.5})))
     assert plan.phi_of((p * 3).grad_fn) is None
     assert plan.phi_of(None) is None
 

@@ -7,17 +7,16 @@ read here, and torch is handed the same items graphscale planned for.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import GradientEdge
 
 from .._core.observation import Laps
 from . import running as _running
+from .sharing import ORIGINAL_BACKWARD
 
 __all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize"]
-
-ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward
 
 
 def materialize(arg: Any) -> Any:

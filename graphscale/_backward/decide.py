@@ -1,11 +1,12 @@
-"""What a backward does, and the one place that chooses the planner.
+"""What a backward does, asked of the walker (NOTE [ One interface, two
+backends ] in _backward/backend.py).
 
 * :func:`decide`: what a top-level backward does (left alone, the fast path,
   or a plan); :func:`graphscale.explain` asks the same function;
 * :func:`probe`: before the fast path, walk only until the answer is known;
-* :func:`plan_backward`: the plan of a request, by the native walker when it
-  is loaded (:func:`native_plan`, the one call site of ``native.plan``) and by
-  the Python reference (``_backward/pyplan.py``) otherwise; both give the same plan;
+* :func:`plan_backward`: the plan of a request, by the walker
+  (:func:`running.walker`: native when it is loaded, else the Python
+  reference, ``_backward/pyplan.py``); both give the same plan;
 * :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
   backward ] in _backward/entry.py), found through the one running state
   (NOTE [ One running state, both routes ] in _native/registry.h).
@@ -15,42 +16,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import torch
-
-from .. import _native
 from .._core.group import Group
 from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
-from .._core.walk import root_node
 from . import running as _running
+from .backend import Plan
 from .hints import checkpoint_hint
-from .pyplan import PROBE_FAST, PROBE_HIDDEN, PROBE_NO_OWNED, PyPlan, build, probe_python
+from .pyplan import PROBE_FAST, PROBE_HIDDEN, PROBE_NO_OWNED
 
 __all__ = [
-    "native_owners", "probe", "fast_path_factor", "Decision", "decide", "UNTOUCHED", "FAST_PATH", "PLANNED",
-    "native_plan", "plan_backward", "top_level_request", "plan_nested",
+    "probe", "fast_path_factor", "Decision", "decide", "UNTOUCHED", "FAST_PATH", "PLANNED",
+    "plan_backward", "top_level_request", "plan_nested",
 ]
-
-
-def native_owners(state: State, native: Any) -> Any:
-    """The native ``Owners`` lookup (TensorImpl* -> group position) of
-    ``state``, built once per snapshot and kept in its tables (NOTE [
-    Per-snapshot tables ] in _core/snapshot.py): install/remove makes a new
-    snapshot and the table goes with it, so it keeps no group, parameter or
-    module alive (tests/test_hardening_longrun.py).  Positions follow
-    ``state.groups``."""
-    tables = state.tables
-    made = tables.native_owners
-    if made is not None and made[0] is native:
-        return made[1]
-    impls: list[int] = []
-    positions: list[int] = []
-    for leaf, k in state.owned_leaves():
-        impls.append(leaf._cdata)
-        positions.append(k)
-    table = native.Owners(impls, positions)
-    tables.native_owners = (native, table)
-    return table
 
 
 def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
@@ -63,11 +40,7 @@ def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
     leaves no walk can see (reentrant checkpointing).  Walks only until the
     answer is known (under "any" it may stop before a custom-Function node:
     that policy needs no nested plan inside a fast-path backward)."""
-    native = _native.load()
-    if native is not None:
-        code = int(native.probe(tuple(roots), native_owners(state, native), state.policy_index, torch.nn.Parameter))
-    else:
-        code = probe_python(roots, state)
+    code = _running.walker().probe(roots, state)
     return code & 3, bool(code & PROBE_HIDDEN)
 
 
@@ -92,7 +65,7 @@ class Decision(NamedTuple):
 
     kind: str
     factor: float = 1.0
-    plan: Any = None
+    plan: Plan | None = None
     nested: float | None = None
 
 
@@ -119,45 +92,17 @@ def decide(roots: Sequence[Any], reading: Reading, inputs: tuple[Any, ...],
     return Decision(PLANNED, plan=plan)
 
 
-# ---------------------------------------------------------------- native or Python
-def native_plan(native: Any, roots: Sequence[Any], request: PlanRequest, outer: Any = None) -> Any:
-    """``request`` planned by the native walker ``native``; ``outer``: the
-    enclosing NativePlans (innermost last), looked up in C++, in place of
-    ``request.outer_phi``.  Raises OverflowError past 64 distinct factors."""
-    pins, factors = request.input_pins, request.factor_list
-    state = request.reading.state
-    return native.plan(
-        [root_node(t) for t in roots],
-        native_owners(state, native),
-        factors,
-        request.base,
-        request.carrier,
-        state.policy_index,
-        torch.nn.Parameter,
-        [node for node, _ in pins],
-        [value for _, value in pins],
-        request.outer_phi if outer is None else outer,
-        request.hint,
-    )
-
-
-def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Any:
-    """The plan of ``request``, made by the native walker when it is available
-    ($GRAPHSCALE_WALKER, see graphscale/_native), else by the Python
-    reference.  Both give the same plan; the native one keeps no Python
-    object per node."""
-    native = _native.load()
-    if native is not None:
-        outer = None
-        if request.carrier is not None and _running.native is native:
-            running = [plan for plan, _ in _running.running()]
-            if all(isinstance(p, native.NativePlan) for p in running):
-                outer = running  # looked up in C++, no Python call per node
-        try:
-            return native_plan(native, roots, request, outer)
-        except OverflowError:  # more than 64 distinct factors: the Python planner has no limit
-            pass
-    return PyPlan(*build(roots, request), request.reading.state.groups)
+# ---------------------------------------------------------------- the walker
+def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Plan:
+    """The plan of ``request``, made by the walker (:func:`running.walker`:
+    native when the extension is loaded, $GRAPHSCALE_WALKER, see
+    graphscale/_native), else by the Python reference.  Both give the same
+    plan; the native one keeps no Python object per node.  Past 64 distinct
+    factors the Python planner, which has no limit."""
+    try:
+        return _running.walker().plan(roots, request)
+    except OverflowError:
+        return _running.PYTHON.plan(roots, request)
 
 
 def top_level_request(reading: Reading, inputs: tuple[Any, ...]) -> PlanRequest:
@@ -167,7 +112,7 @@ def top_level_request(reading: Reading, inputs: tuple[Any, ...]) -> PlanRequest:
 
 def _nested_request(reading: Reading, p: float, inputs: tuple[Any, ...]) -> PlanRequest:
     """The request of a backward nested where everything carries ``p``."""
-    return PlanRequest(reading, base=p, carrier=p, inputs=inputs, outer_phi=_running.enclosing_phi,
+    return PlanRequest(reading, base=p, carrier=p, inputs=inputs, outer_phi=_running.state.enclosing_phi,
                        hint=checkpoint_hint(reading))
 
 
@@ -180,12 +125,11 @@ def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> 
     carries), from that potential.  Returns (the reading, the plan), or None
     inside a backward that left them alone (ungoverned, or a fast path under
     "any")."""
-    native = _running.native
-    if native is not None and not inputs:
-        found = native.nested_plan(current, tuple(roots))  # the one lookup, and the plan, natively
+    if not inputs:
+        found = _running.state.nested_plan(current, tuple(roots))  # natively: the one lookup, and the plan
         if found is None or found.__class__ is tuple:
-            return found  # type: ignore[no-any-return]
-        # "python": a plan the Python route made past 64 factors walked it; looked up below
+            return found  # type: ignore[return-value]
+        # NESTED_IN_PYTHON: the Python state, or a plan the Python route made past 64 factors walked it
     enclosing = _running.find_enclosing(current)
     if enclosing is None:
         return _plan_in_task(roots, inputs)

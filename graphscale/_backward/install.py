@@ -19,9 +19,9 @@ from .._core import registry as _registry
 from .._core import releases as _releases
 from .._core import snapshot as _snapshot
 from .._core.group import Group
-from . import decide as _decide
 from . import dynamo as _dynamo
 from . import entry as _entry
+from . import native_backend as _native_backend
 from . import route as _route
 from . import selftest as _selftest
 
@@ -115,7 +115,7 @@ def _refresh() -> None:
     )
     native = _native.load()  # (prepare() ran: never waits for a build)
     if native is not None:  # NOTE [ Per-snapshot tables ]: made here, not in a backward
-        _decide.native_owners(state, native)
+        _native_backend.native_owners(state, native)
         _route.governor(native, state)
     _snapshot.set_current(state)
     _entry.patch(True)

@@ -26,6 +26,7 @@ from . import decide as _decide
 from . import route as _route
 from . import running as _running
 from . import sharing as _sharing
+from .backend import Plan
 from .call import BackwardCall
 from .frames import CARRIES_ATTR, Frame
 from .hooks import post_hook
@@ -83,14 +84,14 @@ class _Backward:
         if self.laps:
             self.laps(phase)
 
-    def run(self, seeds: Any = None, potential: float | None = None, plan: Any = None,
+    def run(self, seeds: Any = None, potential: float | None = None, plan: Plan | None = None,
             edge_hooks: Sequence[tuple[Any, Any]] = ()) -> None:
         """The original backward with ``seeds``, bound as :func:`running.binding_for`
         says; with ``plan`` registered for nested backwards and ``edge_hooks``
         ((node, multipliers) pairs) on their nodes while it runs, taken off in
         ``finally``; holding the lock of NOTE [ Hooks on shared nodes ]."""
-        native = _running.native  # a fast path's nested backwards are planned with the snapshot's Governor there
-        governor = None if potential is None or native is None else _route.governor(native, self.reading.state)
+        # a fast path's nested backwards are planned with the snapshot's Governor where there is one
+        governor = None if potential is None else _route.nested_governor(self.reading.state)
         hooks = True if plan is None else plan.tensor_hooks
         binding = _running.binding_for(self.reading, hooks, potential, self.on_failure, governor)
         with _sharing.hold(bool(edge_hooks) or _running.binds_shared_nodes(binding)):
@@ -125,6 +126,7 @@ def govern_in_python(call: BackwardCall, reading: Reading, frame: Frame) -> None
     if decision.kind == _decide.FAST_PATH:
         return _run_fast_path(b, decision.factor, decision.nested)
     plan = decision.plan
+    assert plan is not None  # PLANNED
     if plan.unowned_params and not plan.custom_nodes:  # (a custom Function may hide a group's leaves)
         warn_unreached_groups(reading.state, plan)
     return _run_plan(b, plan)
@@ -175,7 +177,7 @@ def govern_nested_in_python(call: BackwardCall, current_node: Any) -> None:
     return _run_plan(b, plan)
 
 
-def _run_plan(b: _Backward, plan: Any) -> None:
+def _run_plan(b: _Backward, plan: Plan) -> None:
     """Scale the seeds, hook the nodes, run the backward with its plan
     registered for nested backwards, unhook in ``finally``.  ``b.carries``:
     what each seed carries already (the plan's seeds assume ``plan.base``)."""
@@ -199,7 +201,7 @@ def _run_plan(b: _Backward, plan: Any) -> None:
     b.run(seeds, plan=plan, edge_hooks=plan.hooks() if edge_mults else ())
 
 
-def _debug_plan(b: _Backward, plan: Any, multiplications: int) -> None:
+def _debug_plan(b: _Backward, plan: Plan, multiplications: int) -> None:
     _log.debug(  # the walker last: tests/test_native_walker.py reads it
         "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, python route, %s walker",
         plan.num_nodes, b.walk_seconds * 1e6, multiplications,

@@ -83,13 +83,13 @@ from .._core.snapshot import Reading, State
 from . import call as _call
 from . import running as _running
 from .call import BackwardCall
-from .decide import native_owners
 from .frames import Frame, compiled_autograd_active
 from .hints import checkpoint_hint_positions
+from .native_backend import native_owners
 from .unreached import warn_unreached_groups
 
-__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "govern_natively",
-           "govern_nested_natively", "trusted", "self_test", "register_self_test"]
+__all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "nested_governor",
+           "govern_natively", "govern_nested_natively", "trusted", "self_test", "register_self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -147,9 +147,9 @@ def governor(native: Any, state: State) -> Any:
     state cannot move to ``native`` yet (NOTE [ One running state, both
     routes ] in _native/registry.h: a backward runs on the Python one)."""
     made = state.tables.native_governor
-    if made is not None and made[0] is native and _running.native is native:
+    if made is not None and made[0] is native and _running.state.module is native:
         return made[1]
-    if not _running.use_native(native, _call):
+    if not _running.use_native(native):
         return None
     if made is not None and made[0] is native:
         return made[1]
@@ -164,6 +164,14 @@ def governor(native: Any, state: State) -> Any:
                           bool(state.hook_owners), warn)
     state.tables.native_governor = (native, gov)
     return gov
+
+
+def nested_governor(state: State) -> Any:
+    """The Governor that plans the backwards nested in a fast-path backward
+    under ``state`` natively: the one of the module the running state is
+    kept in, or None where it is kept in Python (they are planned there)."""
+    module = _running.state.module
+    return None if module is None else governor(module, state)
 
 
 def _native_call(fn: Any, args: tuple[Any, ...], laps: Laps | None, reading: Reading | None) -> bool:
@@ -212,7 +220,7 @@ def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: 
     made = state.tables.native_governor
     if native is None:
         native = made[0] if made is not None else _native.load()
-    if (made is not None and made[0] is native is _passed is _running.native and enabled and not call.inputs
+    if (made is not None and made[0] is native is _passed is _running.state.module and enabled and not call.inputs
             and not frame.compiled and not _here.python):
         gov = made[1]  # the usual backward: every check of decline_reason and governor in one expression
     else:
@@ -236,7 +244,7 @@ def govern_nested_natively(tensors: Any, grad_tensors: Any, retain_graph: bool |
     checkpoint makes once per block, read without building a
     :class:`BackwardCall`.  False: not taken (nothing touched; the decline
     counted); the Python route takes it."""
-    native = _running.native  # the module the running state is in (NOTE [ One running state, both routes ])
+    native = _running.state.module  # the module the running state is in (NOTE [ One running state, both routes ])
     if not enabled or _here.python:
         declined(ROUTE_ENV + "=python")
         return False

@@ -20,18 +20,23 @@ from typing import Any, Callable
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from .. import _native
 from .._core import registry as _registry
+from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
 from . import frames as _frames
+from . import native_backend as _native_backend
+from . import pyplan as _pyplan
 from . import sharing as _sharing
+from .backend import NESTED_IN_PYTHON, Backend, Plan
 from .frames import compiled_autograd_active
+from .sharing import ORIGINAL_BACKWARD
 
 __all__ = [
-    "use_native", "native", "binds_shared_nodes", "Binding", "binding_for", "reference_binding", "bound",
-    "task_binding", "task_reading", "running_plan", "running", "enclosing_phi", "find_enclosing",
+    "PythonBackend", "PYTHON", "state", "walker", "use_native", "binds_shared_nodes", "Binding", "binding_for",
+    "reference_binding", "bound", "task_binding", "task_reading", "running_plan", "running", "enclosing_phi",
+    "find_enclosing",
 ]
-
-native: Any = None  # the native module the running state is kept in (use_native), or None: the Python one
 
 
 # NOTE [ Which snapshot an output hook obeys ]
@@ -79,31 +84,6 @@ _by_task: dict[int, Any] = {}  # graph task id -> binding, while that backward r
 _py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, reading), innermost last
 
 
-def use_native(module: Any, call_module: Any) -> bool:
-    """Keep the running state in the native ``module`` from now on (NOTE [
-    One running state, both routes ]); ``call_module``: where it reads the
-    original ``torch.autograd.backward`` (``call.py``).  False (and nothing
-    changed) while a backward runs on the Python state: a later call switches."""
-    global native
-    if native is module:
-        return True
-    if _py_running or _by_task:
-        return False
-
-    def switch() -> None:
-        global native
-        module.configure(_by_task, call_module, torch.nn.Parameter, torch.nn.Module, _frames.CARRIES_ATTR,
-                         _frames.innermost)
-        native = module
-    return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
-
-
-def binds_shared_nodes(binding: Any) -> bool:
-    """Whether :func:`bound` puts ``binding`` on nodes other backwards may
-    share (the Python binding's pre-hook: NOTE [ Hooks on shared nodes ])."""
-    return binding is not None and (native is None or compiled_autograd_active())
-
-
 class Binding:
     """What a running backward's graph task is bound to, where the native
     module is not loaded (its ``Binding`` has the same fields): the
@@ -131,33 +111,6 @@ class Binding:
     def state(self) -> State:
         return self.reading.state
 
-
-def binding_for(reading: Reading | None, hooks: bool = True, potential: float | None = None,
-                on_failure: list[Callable[[], None]] | None = None, governor: Any = None) -> Any:
-    """The binding a backward governed by ``reading`` needs, or None where it
-    needs none: bound when its graph may hold output hooks of objects the
-    snapshot governs (``hooks``: a plan saw tensor hooks, or none looked;
-    NOTE [ Which snapshot an output hook obeys ]), or when backwards nested in
-    it must be planned from ``potential`` (NOTE [ Fast path ] in
-    _backward/entry.py; ``governor``: the snapshot's native Governor, which
-    plans them natively); ``on_failure``: its top-level backward's list."""
-    if reading is None or (potential is None and not (hooks and reading.state.hook_owners)):
-        return None
-    module = native
-    if module is None:
-        return Binding(reading, potential, on_failure=on_failure)
-    return module.binding(reading, potential, on_failure, False, governor if potential is not None else None,
-                          reading.factor_list)
-
-
-def reference_binding(state: State) -> Any:
-    """The binding of a reference pass over ``state`` (graphscale.audit's plain
-    gradient: NOTE [ Once per backward ])."""
-    reading = Reading(state, {}, [])
-    module = native
-    if module is None:
-        return Binding(reading, reference=True, on_failure=[])
-    return module.binding(reading, None, [], True, None, [])
 
 
 class _PyBound:
@@ -206,28 +159,8 @@ class _PyBound:
             _by_task.pop(tid, None)
 
 
-def bound(roots: Sequence[Any], binding: Any) -> Any:
-    """Bind the graph task of a backward of ``roots`` to ``binding`` while it
-    runs (NOTE [ Which snapshot an output hook obeys ]): a context manager
-    whose ``with`` gives the roots to hand to torch."""
-    module = native
-    if module is None or compiled_autograd_active():
-        return _PyBound(roots, binding)
-    return module.bound(tuple(roots), binding)
 
 
-def task_binding() -> Any:
-    """The binding of the graph task this thread is running a node of, or None."""
-    return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
-
-
-def task_reading() -> Reading | None:
-    """The reading bound to the graph task this thread is running a node of."""
-    binding = task_binding()
-    return None if binding is None else binding.reading
-
-
-# ---------------------------------------------------------------- running plans
 class _PyRunningPlan:
     """Register (plan, reading) in the Python registry while its backward runs."""
 
@@ -246,17 +179,138 @@ class _PyRunningPlan:
                 return
 
 
-def running_plan(plan: Any, reading: Reading) -> Any:
+
+
+class PythonBackend:
+    """The Python backend, the reference (NOTE [ One interface, two backends
+    ] in _backward/backend.py): plans with ``_backward/pyplan.py``, keeps the
+    running state in this module."""
+
+    name = "python"
+    module = None
+    binds_root_nodes = True  # _PyBound's pre-hook on a root node (NOTE [ Hooks on shared nodes ])
+
+    def probe(self, roots: Sequence[Any], state: State) -> int:
+        return _pyplan.probe_python(roots, state)
+
+    def plan(self, roots: Sequence[Any], request: PlanRequest) -> Plan:
+        return _pyplan.PyPlan(*_pyplan.build(roots, request), request.reading.state.groups)
+
+    def binding(self, reading: Reading, potential: float | None, on_failure: list[Callable[[], None]] | None,
+                governor: Any) -> Binding:
+        return Binding(reading, potential, False, on_failure)
+
+    def reference_binding(self, reading: Reading) -> Binding:
+        return Binding(reading, reference=True, on_failure=[])
+
+    def bound(self, roots: tuple[Any, ...], binding: Any) -> _PyBound:
+        return _PyBound(roots, binding)
+
+    def running_plan(self, plan: Plan, reading: Reading) -> _PyRunningPlan:
+        return _PyRunningPlan(plan, reading)
+
+    def running(self) -> tuple[tuple[Plan, Reading], ...]:
+        return tuple(_py_running)
+
+    def enclosing_phi(self, node: Any) -> float | None:
+        for plan, _ in reversed(_py_running):
+            p = plan.phi_of(node)
+            if p is not None:
+                return p  # type: ignore[no-any-return]
+        return None
+
+    def nested_plan(self, current: Any, roots: tuple[Any, ...]) -> str:
+        return NESTED_IN_PYTHON  # decide.plan_nested's lookup over running()
+
+
+PYTHON: Backend = PythonBackend()
+state: Backend = PYTHON  # the backend the running state is kept in: PYTHON, or a native one once (use_native)
+
+
+def walker() -> Backend:
+    """The backend that probes and plans: the native one as soon as the
+    extension is loaded ($GRAPHSCALE_WALKER, NOTE [ No backward waits for a
+    compiler ] in _native/__init__.py), else the Python one."""
+    module = _native.load()
+    if module is None:
+        return PYTHON
+    current = state
+    return current if current.module is module else _native_backend.of(module)
+
+
+def use_native(module: Any) -> bool:
+    """Keep the running state in the native ``module`` from now on (NOTE [
+    One running state, both routes ]).  False (and nothing changed) while a
+    backward runs on the Python state: a later call switches."""
+    global state
+    if state.module is module:
+        return True
+    if _py_running or _by_task:
+        return False
+    backend = _native_backend.of(module)
+
+    def switch() -> None:
+        global state
+        backend.configure(_by_task, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
+        state = backend
+    return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
+
+
+def binds_shared_nodes(binding: Any) -> bool:
+    """Whether :func:`bound` puts ``binding`` on nodes other backwards may
+    share (the Python binding's pre-hook: NOTE [ Hooks on shared nodes ])."""
+    return binding is not None and (state.binds_root_nodes or compiled_autograd_active())
+
+
+def binding_for(reading: Reading | None, hooks: bool = True, potential: float | None = None,
+                on_failure: list[Callable[[], None]] | None = None, governor: Any = None) -> Any:
+    """The binding a backward governed by ``reading`` needs, or None where it
+    needs none: bound when its graph may hold output hooks of objects the
+    snapshot governs (``hooks``: a plan saw tensor hooks, or none looked;
+    NOTE [ Which snapshot an output hook obeys ]), or when backwards nested in
+    it must be planned from ``potential`` (NOTE [ Fast path ] in
+    _backward/entry.py; ``governor``: the snapshot's native Governor, which
+    plans them natively); ``on_failure``: its top-level backward's list."""
+    if reading is None or (potential is None and not (hooks and reading.state.hook_owners)):
+        return None
+    return state.binding(reading, potential, on_failure, governor if potential is not None else None)
+
+
+def reference_binding(snapshot: State) -> Any:
+    """The binding of a reference pass over ``snapshot`` (graphscale.audit's
+    plain gradient: NOTE [ Once per backward ])."""
+    return state.reference_binding(Reading(snapshot, {}, []))
+
+
+def bound(roots: Sequence[Any], binding: Any) -> Any:
+    """Bind the graph task of a backward of ``roots`` to ``binding`` while it
+    runs (NOTE [ Which snapshot an output hook obeys ]): a context manager
+    whose ``with`` gives the roots to hand to torch.  Under compiled autograd
+    the Python one, the hook it lifts."""
+    return (PYTHON if compiled_autograd_active() else state).bound(tuple(roots), binding)
+
+
+def task_binding() -> Any:
+    """The binding of the graph task this thread is running a node of, or None."""
+    return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
+
+
+def task_reading() -> Reading | None:
+    """The reading bound to the graph task this thread is running a node of."""
+    binding = task_binding()
+    return None if binding is None else binding.reading
+
+
+# ---------------------------------------------------------------- running plans
+def running_plan(plan: Plan, reading: Reading) -> Any:
     """Register ``plan`` (walked under ``reading``) for nested backwards while
     its backward runs: a context manager."""
-    module = native
-    return _PyRunningPlan(plan, reading) if module is None else module.running_plan(plan, reading)
+    return state.running_plan(plan, reading)
 
 
-def running() -> tuple[tuple[Any, Reading], ...]:
+def running() -> tuple[tuple[Plan, Reading], ...]:
     """The running plans as (plan, reading), innermost last (a snapshot)."""
-    module = native
-    return tuple(_py_running) if module is None else tuple(module.running())
+    return tuple(state.running())
 
 
 def find_enclosing(node: Any) -> tuple[Reading, float] | None:
@@ -271,8 +325,4 @@ def find_enclosing(node: Any) -> tuple[Reading, float] | None:
 
 def enclosing_phi(node: Any) -> float | None:
     """The potential a running plan gave ``node``, or None where none saw it."""
-    module = native
-    if module is not None:
-        return module.enclosing_phi(node)  # type: ignore[no-any-return]
-    found = find_enclosing(node)
-    return None if found is None else found[1]
+    return state.enclosing_phi(node)

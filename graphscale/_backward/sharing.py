@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["hold", "use_native", "governed_grad", "wrap_grad", "ORIGINAL_GRAD"]
+__all__ = ["hold", "use_native", "governed_grad", "wrap_grad", "ORIGINAL_GRAD", "ORIGINAL_BACKWARD"]
 
 ORIGINAL_GRAD: Callable[..., Any] = torch.autograd.grad
+ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward  # as torch defined it (call.py runs it)
 
 
 class _Lock:
@@ -56,7 +57,6 @@ class _Lock:
 
 
 _lock = _Lock()
-_native: Any = None  # the native module, whose lock everyone holds from use_native on
 
 
 class _Hold:
@@ -71,10 +71,10 @@ class _Hold:
 
     def __enter__(self) -> None:
         _lock.acquire(self.exclusive)
-        native = _native
-        if native is not None:  # switched before this thread got the lock
+        make = _make_hold
+        if make is not _Hold:  # switched to the native lock before this thread got this one
             _lock.release(self.exclusive)
-            inner = native.Hold(self.exclusive)
+            inner = make(self.exclusive)
             inner.__enter__()
             self.inner = inner
 
@@ -96,6 +96,7 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
+_make_hold: Callable[[bool], Any] = _Hold  # the native module's Hold from use_native on
 
 
 def hold(exclusive: bool) -> Any:
@@ -103,19 +104,18 @@ def hold(exclusive: bool) -> Any:
     inside a running graph task (its backward holds it)."""
     if torch._C._current_graph_task_id() >= 0:
         return _NOTHING
-    native = _native
-    return native.Hold(exclusive) if native is not None else _Hold(exclusive)
+    return _make_hold(exclusive)
 
 
 def use_native(module: Any, switch: Callable[[], None]) -> bool:
-    """Hand the lock to ``module`` and call ``switch()``, if no one holds
-    this module's lock now (else False: nothing changed)."""
-    global _native
+    """Hand the lock to ``module`` (its ``Hold``) and call ``switch()``, if no
+    one holds this module's lock now (else False: nothing changed)."""
+    global _make_hold
     with _lock.cond:
         if _lock.shared or _lock.exclusive or _lock.waiting:
             return False
         switch()
-        _native = module
+        _make_hold = module.Hold
         return True
 
 

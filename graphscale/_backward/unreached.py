@@ -7,19 +7,19 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any
 
 import torch
 
 from .._core.group import Group
 from .._core.snapshot import State
+from .backend import Plan
 
 __all__ = ["warn_unreached_groups"]
 
 _warned: weakref.WeakSet[Group] = weakref.WeakSet()
 
 
-def warn_unreached_groups(state: State, plan: Any) -> None:
+def warn_unreached_groups(state: State, plan: Plan) -> None:
     """A governed backward that reaches unowned nn.Parameters but none of
     some group's is almost always a wrapper (FSDP, a PEFT or compile wrapper)
     that swapped the group's parameters; say so, once per group."""

@@ -50,12 +50,8 @@ static bool scaled_seeds(const py::tuple& roots, const py::list& grads, const st
 // grad_tensors, retain_graph, create_graph, grad_variables=None, inputs).
 static void call_original(py::handle roots, py::handle seeds, py::handle retain, py::handle create,
                           py::handle inputs) {
-  static PyObject* name = PyUnicode_InternFromString("ORIGINAL_BACKWARD");
-  PyObject* fn = PyObject_GetAttr(registry->call_module.ptr(), name);
-  if (fn == nullptr) throw py::error_already_set();
   PyObject* args[6] = {roots.ptr(), seeds.ptr(), retain.ptr(), create.ptr(), Py_None, inputs.ptr()};
-  PyObject* out = PyObject_Vectorcall(fn, args, 6, nullptr);
-  Py_DECREF(fn);
+  PyObject* out = PyObject_Vectorcall(registry->original.ptr(), args, 6, nullptr);
   if (out == nullptr) throw py::error_already_set();
   Py_DECREF(out);
 }

@@ -47,7 +47,7 @@
 // Process-wide Python objects the route needs (native.configure, once).
 struct Registry {
   py::object by_task;      // graphscale._backward.running._by_task: graph task id -> Binding
-  py::object call_module;  // graphscale._backward.call: ORIGINAL_BACKWARD is torch.autograd.backward as torch defined it
+  py::object original;     // torch.autograd.backward as torch defined it (graphscale._backward.call.ORIGINAL_BACKWARD)
   py::object param_type;   // torch.nn.Parameter
   py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
   py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
@@ -59,12 +59,12 @@ struct Registry {
 static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
-static void configure(py::object by_task, py::object call_module, py::object param_type, py::object module_type_,
+static void configure(py::object by_task, py::object original, py::object param_type, py::object module_type_,
                       py::object carries_attr, py::object innermost) {
   if (registry == nullptr) registry = new Registry();
   Py_XDECREF(module_type);
   module_type = module_type_.inc_ref().ptr();
-  *registry = Registry{by_task, call_module, param_type, carries_attr, innermost};
+  *registry = Registry{by_task, original, param_type, carries_attr, innermost};
 }
 
 #ifdef GRAPHSCALE_TEST_SEAMS

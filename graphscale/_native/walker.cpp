@@ -70,7 +70,14 @@ static void def_running(py::module_& m) {
     return r;
   });
   m.def("configure", &configure);
-  m.def("binding", &make_binding);
+  m.def("binding", [](py::object reading, py::object potential, py::object on_failure, py::object governor) {
+    std::vector<double> factors = reading.attr("factor_list").cast<std::vector<double>>();
+    return make_binding(std::move(reading), std::move(potential), std::move(on_failure), false,
+                        std::move(governor), std::move(factors));
+  });
+  m.def("reference_binding", [](py::object reading) {
+    return make_binding(std::move(reading), py::none(), py::list(), true, py::none(), {});
+  });
   m.def("running", &running_entries);
   m.def("enclosing_phi", &enclosing_phi);
   m.def("nested_plan", &nested_plan);
