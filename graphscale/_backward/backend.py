@@ -12,7 +12,7 @@ Nothing on the backward path asks which one it holds: it calls the
 backend's methods.  Two pointers name the backend in use, each moving once,
 from Python to native, never back:
 
-* the walker (:func:`graphscale._backward.running.walker`): the native
+* the walker (:func:`graphscale._backward.decide.walker`): the native
   backend as soon as the extension is loaded (NOTE [ No backward waits for
   a compiler ] in ``_native/__init__.py``), which may be in the middle of a
   backward; a plan is plain data, so a nested plan may come from the other

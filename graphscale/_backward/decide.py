@@ -4,9 +4,10 @@ backends ] in _backward/backend.py).
 * :func:`decide`: what a top-level backward does (left alone, the fast path,
   or a plan); :func:`graphscale.explain` asks the same function;
 * :func:`probe`: before the fast path, walk only until the answer is known;
-* :func:`plan_backward`: the plan of a request, by the walker
-  (:func:`running.walker`: native when it is loaded, else the Python
-  reference, ``_backward/pyplan.py``); both give the same plan;
+* :func:`walker`: the one place that chooses the planner: native when the
+  extension is loaded, else the Python reference (``_backward/pyplan.py``);
+* :func:`plan_backward`: the plan of a request, by the walker; both give the
+  same plan;
 * :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
   backward ] in _backward/entry.py), found through the one running state
   (NOTE [ One running state, both routes ] in _native/registry.h).
@@ -16,18 +17,32 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from .. import _native
 from .._core.group import Group
 from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
+from . import native_backend as _native_backend
 from . import running as _running
-from .backend import Plan
+from .backend import Backend, Plan
 from .hints import checkpoint_hint
 from .pyplan import PROBE_FAST, PROBE_HIDDEN, PROBE_NO_OWNED
 
 __all__ = [
-    "probe", "fast_path_factor", "Decision", "decide", "UNTOUCHED", "FAST_PATH", "PLANNED",
+    "walker", "probe", "fast_path_factor", "Decision", "decide", "UNTOUCHED", "FAST_PATH", "PLANNED",
     "plan_backward", "top_level_request", "plan_nested",
 ]
+
+
+def walker() -> Backend:
+    """The backend that probes and plans: the native one as soon as the
+    extension is loaded ($GRAPHSCALE_WALKER, NOTE [ No backward waits for a
+    compiler ] in _native/__init__.py), else the Python one (NOTE [ One
+    interface, two backends ] in _backward/backend.py)."""
+    module = _native.load()
+    if module is None:
+        return _running.PYTHON
+    current = _running.state
+    return current if current.module is module else _native_backend.of(module)
 
 
 def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
@@ -40,7 +55,7 @@ def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
     leaves no walk can see (reentrant checkpointing).  Walks only until the
     answer is known (under "any" it may stop before a custom-Function node:
     that policy needs no nested plan inside a fast-path backward)."""
-    code = _running.walker().probe(roots, state)
+    code = walker().probe(roots, state)
     return code & 3, bool(code & PROBE_HIDDEN)
 
 
@@ -94,13 +109,13 @@ def decide(roots: Sequence[Any], reading: Reading, inputs: tuple[Any, ...],
 
 # ---------------------------------------------------------------- the walker
 def plan_backward(roots: Sequence[Any], request: PlanRequest) -> Plan:
-    """The plan of ``request``, made by the walker (:func:`running.walker`:
-    native when the extension is loaded, $GRAPHSCALE_WALKER, see
+    """The plan of ``request``, made by the walker (:func:`walker`: native
+    when the extension is loaded, $GRAPHSCALE_WALKER, see
     graphscale/_native), else by the Python reference.  Both give the same
     plan; the native one keeps no Python object per node.  Past 64 distinct
     factors the Python planner, which has no limit."""
     try:
-        return _running.walker().plan(roots, request)
+        return walker().plan(roots, request)
     except OverflowError:
         return _running.PYTHON.plan(roots, request)
 

@@ -1,6 +1,7 @@
 """What a backward on this thread runs inside: the frames of an adapter's
-``engine.backward`` (:func:`engine_backward`: ``scale_wrt_gas``, what the
-seeds carry already, the caller), and the :class:`Frame` of each top-level
+own backward call (:func:`adapter_backward`: whether factors apply, what the
+seeds carry already, the caller; DeepSpeed's ``engine.backward`` is one), and
+the :class:`Frame` of each top-level
 governed backward (:class:`open_frame`), with the list of what completes its
 engines' part if it raises.  Imports nothing of graphscale.
 
@@ -33,8 +34,8 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-__all__ = ["CARRIES_ATTR", "Frame", "open_frame", "innermost", "engine_backward", "engine_backward_frame",
-           "engine_backward_caller", "gas_scaling_enabled", "compiled_autograd_active"]
+__all__ = ["CARRIES_ATTR", "Frame", "open_frame", "innermost", "adapter_backward", "adapter_backward_frame",
+           "adapter_backward_caller", "scaling_enabled", "compiled_autograd_active"]
 
 # A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
 # has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
@@ -44,7 +45,7 @@ CARRIES_ATTR = "_graphscale_carries"
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        self.engine_calls: list[tuple[bool, float, Any]] = []  # engine.backward frames, innermost last
+        self.adapter_calls: list[tuple[bool, float, Any]] = []  # adapter_backward frames, innermost last
         self.failing: list[list[Callable[[], None]]] = []  # one per top-level governed backward, innermost last
 
 
@@ -67,31 +68,32 @@ class _Pushed:
         self.stack.pop()
 
 
-def engine_backward(scaling: bool, carries: float = 1.0, caller: Any = None) -> AbstractContextManager[None]:
-    """Within this block (an adapter's ``engine.backward``), top-level governed
-    backwards on this thread apply the factors only if ``scaling``
-    (``scale_wrt_gas``), and their seeds already carry ``carries`` (the
-    calling engine's fp16 loss scale, applied by DeepSpeed before it calls
-    backward); ``caller``: (the engine whose backward this is, the loss it was
-    given), for tools."""
-    return _Pushed(_local.engine_calls, (scaling, carries, caller))
+def adapter_backward(scaling: bool, carries: float = 1.0, caller: Any = None) -> AbstractContextManager[None]:
+    """Within this block (an adapter's own backward call), top-level governed
+    backwards on this thread apply the factors only if ``scaling``, and their
+    seeds already carry ``carries``; ``caller``: (the object whose backward
+    this is, the loss it was given), for tools.  The DeepSpeed adapter opens
+    one in ``engine.backward``: ``scaling`` is its ``scale_wrt_gas``,
+    ``carries`` an fp16 engine's loss scale (NOTE [ fp16 engines ] in
+    _adapters/deepspeed/__init__.py)."""
+    return _Pushed(_local.adapter_calls, (scaling, carries, caller))
 
 
-def engine_backward_frame() -> tuple[bool, float]:
-    """(scaling, carries) of the innermost :func:`engine_backward` on this thread, or (True, 1.0)."""
-    stack = _local.engine_calls
+def adapter_backward_frame() -> tuple[bool, float]:
+    """(scaling, carries) of the innermost :func:`adapter_backward` on this thread, or (True, 1.0)."""
+    stack = _local.adapter_calls
     return stack[-1][:2] if stack else (True, 1.0)
 
 
-def engine_backward_caller() -> Any:
-    """(engine, loss) of the innermost :func:`engine_backward` on this thread, or None."""
-    stack = _local.engine_calls
+def adapter_backward_caller() -> Any:
+    """(caller, loss) of the innermost :func:`adapter_backward` on this thread, or None."""
+    stack = _local.adapter_calls
     return stack[-1][2] if stack else None
 
 
-def gas_scaling_enabled() -> bool:
-    """``scale_wrt_gas`` of the innermost :func:`engine_backward` on this thread (True outside one)."""
-    stack = _local.engine_calls
+def scaling_enabled() -> bool:
+    """``scaling`` of the innermost :func:`adapter_backward` on this thread (True outside one)."""
+    stack = _local.adapter_calls
     return stack[-1][0] if stack else True
 
 
@@ -107,9 +109,8 @@ def compiled_autograd_active() -> bool:
 
 class Frame:
     """One top-level governed backward as its caller frames it: ``scaling``
-    (False under ``engine.backward(..., scale_wrt_gas=False)``), what its
-    seeds carry already by default (``carries``: an fp16 ``engine.backward``'s
-    loss scale), whether compiled autograd captures it (``compiled``), the
+    (False inside an :func:`adapter_backward` that turned the factors off),
+    what its seeds carry already by default (``carries``), whether compiled autograd captures it (``compiled``), the
     list NOTE [ A backward that raised ] runs (``on_failure``), and its lap
     clock (``laps``, or None)."""
 
@@ -124,13 +125,13 @@ class Frame:
 class open_frame:
     """``with open_frame(laps) as frame:`` around one top-level governed
     backward on this thread: its :class:`Frame`, read from the innermost
-    :func:`engine_backward`; on an exception, runs what was appended to
+    :func:`adapter_backward`; on an exception, runs what was appended to
     ``frame.on_failure`` (NOTE [ A backward that raised ]), then lets it go on."""
 
     __slots__ = ("frame",)
 
     def __init__(self, laps: Any = None) -> None:
-        stack = _local.engine_calls
+        stack = _local.adapter_calls
         scaling, carries = stack[-1][:2] if stack else (True, 1.0)
         self.frame = Frame(scaling, carries, laps)
 

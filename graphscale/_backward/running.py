@@ -1,16 +1,18 @@
 """What autograd is running under graphscale: the bindings of running graph
-tasks to what governs them (:func:`binding_for`, :class:`bound`,
-:func:`task_binding`), which output hooks and
-nested backwards read, and the registry of walked plans whose backward is
-running (:func:`running_plan`, :func:`running`, :func:`enclosing_phi`),
-which nested backwards plan from.
+tasks to what governs them (:func:`binding_for`, :func:`bound`,
+:func:`task_binding`), which output hooks and nested backwards read, and the
+registry of walked plans whose backward is running (:func:`running_plan`,
+:func:`running`, :func:`enclosing_phi`), which nested backwards plan from;
+the Python backend (:class:`PythonBackend`), and :data:`state`, the backend
+the running state is kept in (NOTE [ One interface, two backends ] in
+``_backward/backend.py``).
 
-NOTE [ One running state, both routes ] (in ``_native/registry.h``): while
-the native module is loaded (:func:`use_native`) the registry, the bindings
-and the binding hook are the native ones, for both routes and the tools; the
-Python equivalents here run only where it is not, and the Python binding
-hook also under compiled autograd (which lifts Python hooks only).  The graph
-task -> binding map is one dict, ``_by_task``, either way.
+NOTE [ One running state, both routes ] (in ``_native/registry.h``): once
+the native module keeps the running state (:func:`use_native`) the registry,
+the bindings and the binding hook are the native ones, for both routes and
+the tools; the Python ones here serve only before that, and the Python
+binding hook also under compiled autograd (which lifts Python hooks only).
+The graph task -> binding map is one dict, ``_by_task``, either way.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from typing import Any, Callable
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .. import _native
 from .._core import registry as _registry
 from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
@@ -33,7 +34,7 @@ from .frames import compiled_autograd_active
 from .sharing import ORIGINAL_BACKWARD
 
 __all__ = [
-    "PythonBackend", "PYTHON", "state", "walker", "use_native", "binds_shared_nodes", "Binding", "binding_for",
+    "PythonBackend", "PYTHON", "state", "use_native", "binds_shared_nodes", "Binding", "binding_for",
     "reference_binding", "bound", "task_binding", "task_reading", "running_plan", "running", "enclosing_phi",
     "find_enclosing",
 ]
@@ -225,17 +226,6 @@ class PythonBackend:
 
 PYTHON: Backend = PythonBackend()
 state: Backend = PYTHON  # the backend the running state is kept in: PYTHON, or a native one once (use_native)
-
-
-def walker() -> Backend:
-    """The backend that probes and plans: the native one as soon as the
-    extension is loaded ($GRAPHSCALE_WALKER, NOTE [ No backward waits for a
-    compiler ] in _native/__init__.py), else the Python one."""
-    module = _native.load()
-    if module is None:
-        return PYTHON
-    current = state
-    return current if current.module is module else _native_backend.of(module)
 
 
 def use_native(module: Any) -> bool:

@@ -1,7 +1,7 @@
 """What one backward asks the planner: :class:`PlanRequest`.
 
 Both planners take it: the Python reference (``_backward/pyplan.py``) and the native
-walker (``_native/walker.cpp``, through ``_backward/decide.py``'s ``native_plan``).
+walker (``_native/walker.cpp``, through ``_backward/native_backend.py``'s ``NativeBackend.plan``).
 """
 from __future__ import annotations
 

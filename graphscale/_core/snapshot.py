@@ -14,7 +14,7 @@
 # installed is made once per State, never per backward: the owner map, the
 # set of objects whose output hooks obey governed backwards (the DeepSpeed
 # adapter's O(1) test in its per-tensor hook), the native walker's owner
-# table (native_owners in _backward/decide.py; built at install when the extension is
+# table (native_owners in _backward/native_backend.py; built at install when the extension is
 # loaded already, else at the first walked backward) and the checkpoint hints
 # (NOTE [ Checkpoint hints ] in _backward/hints.py).  They are the fields of Tables.
 # Factors are not among them: a gas callable is read at the start of every

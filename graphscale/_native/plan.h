@@ -242,7 +242,7 @@ static NativePlan plan_core(py::object roots, const std::vector<Node*>& root_nod
   return P;
 }
 
-// The plan of graphscale/_backward/pyplan.py build (_backward/decide.py native_plan builds
+// The plan of graphscale/_backward/pyplan.py build (_backward/native_backend.py NativeBackend.plan builds
 // this call).  roots: Python Nodes or None.  outer_phi: None, a callable
 // (node -> potential or None), or a list of the enclosing NativePlans,
 // innermost last.

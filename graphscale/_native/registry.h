@@ -38,16 +38,17 @@
 // plan a nested backward runs inside (find_enclosing: the registry, else the
 // task's binding), the Binding class, and the binding node (BindNode).  The
 // Python route registers, looks up and binds through the same functions
-// (graphscale/_backward/running.py dispatches to them); running.py's Python
-// equivalents run only where this module is not loaded, and its Python
-// binding hook also under compiled autograd, which lifts Python hooks only.
+// (graphscale/_backward/native_backend.py hands them over as the Backend
+// interface; running.py calls the backend the state is in); running.py's
+// PythonBackend serves only before this module keeps the state, and its
+// Python binding hook also under compiled autograd, which lifts Python hooks only.
 // The graph task -> Binding map is one Python dict (running._by_task) that
 // both kinds of hook write, so output hooks read one map either way.
 
 // Process-wide Python objects the route needs (native.configure, once).
 struct Registry {
   py::object by_task;      // graphscale._backward.running._by_task: graph task id -> Binding
-  py::object original;     // torch.autograd.backward as torch defined it (graphscale._backward.call.ORIGINAL_BACKWARD)
+  py::object original;     // torch.autograd.backward as torch defined it (graphscale._backward.sharing.ORIGINAL_BACKWARD)
   py::object param_type;   // torch.nn.Parameter
   py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
   py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list

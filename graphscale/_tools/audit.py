@@ -183,14 +183,14 @@ class Audit:
         if any(g is None and isinstance(t, torch.Tensor) and t.numel() != 1 for t, g in zip(roots, grads)):
             return run(call)  # no seed for a non-scalar root: torch raises its own error
         _check_supported(state)
-        scaling = _frames.gas_scaling_enabled()
+        scaling = _frames.scaling_enabled()
         reads = {g: g.read_spec() for g in state.groups}  # once: the backward reuses them (spec_reads)
         factors = {g: _expected_factor(g, reads[g], scaling) for g in state.groups}
         leaves = reached_leaves(roots, call.inputs_arg)
         if not leaves:
             return run(call)
         # the plain gradient of the loss as given, without what its seeds carry already (an fp16 loss scale)
-        carried = _python_route.carries(roots, _frames.engine_backward_frame()[1])
+        carried = _python_route.carries(roots, _frames.adapter_backward_frame()[1])
         seeds = _python_route.scaled_seeds(roots, grads, [1.0 / c for c in carried]) if any(c != 1.0 for c in carried) \
             else list(grads)
         if seeds is None:

@@ -150,7 +150,7 @@ class Diagnosis:
         state = self._state
         if state is None or call.roots is None or torch._C._current_autograd_node() is not None:
             return call.run(None)  # nested backwards are part of the outer one
-        caller = _frames.engine_backward_caller()
+        caller = _frames.adapter_backward_caller()
         roots, grads = ((caller[1],), [None]) if caller is not None else (call.roots, list(call.grads or ()))
         leaves = [p for p in reached_leaves(call.roots, call.inputs_arg) if id(p) in state.owner]
         if not leaves or any(g is None and t.numel() != 1 for t, g in zip(roots, grads)):
@@ -167,8 +167,8 @@ class Diagnosis:
 
     def _compare(self, state: State, leaves: Sequence[torch.Tensor], ref: Sequence[torch.Tensor | None],
                  got: Sequence[torch.Tensor | None]) -> None:
-        scaling = _frames.gas_scaling_enabled()
-        caller = _frames.engine_backward_caller()
+        scaling = _frames.scaling_enabled()
+        caller = _frames.adapter_backward_caller()
         for p, g, d in zip(leaves, ref, got):
             if g is None or not bool(g.any()):
                 continue

@@ -180,7 +180,7 @@ def explain(
     """
     state = _state_for(groups, unowned)
     root_list = _checked_roots(roots, grad_tensors)
-    scaling = scale_wrt_gas and _frames.gas_scaling_enabled()
+    scaling = scale_wrt_gas and _frames.scaling_enabled()
     reading = state.read(scaling)
     factors = dict(reading.factors)
     kind, fast, _, _ = decide(root_list, reading, ())

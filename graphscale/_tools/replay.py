@@ -263,7 +263,7 @@ def reference(state: State, roots: Sequence[Any], seeds: Sequence[Any], leaves: 
                 f"{replays.where}: could not compute the plain reference gradient with torch.autograd.grad "
                 f"({exc}). Reentrant activation checkpointing, for one, does not support it: use "
                 "use_reentrant=False, or leave the checkpointed model out. No gradient was touched.") from exc
-    caller = _frames.engine_backward_caller()
+    caller = _frames.adapter_backward_caller()
     matched = replays.take(roots)
     if matched is None and caller is not None and len(roots) == 1:  # engine.backward(loss): the user's loss
         matched, seeds, roots = replays.take([caller[1]]), [None], [caller[1]]

@@ -21,7 +21,7 @@ group and registers the adapter with graphscale's registry
 # already carries:
 #   * engine.backward(loss): DeepSpeed scales the loss by the calling
 #     engine's scale before backward; the adapter says so
-#     (engine_backward(carries=...)), and the plan divides it out;
+#     (adapter_backward(carries=...)), and the plan divides it out;
 #   * engine.scale(loss).backward(): the adapter's scale() tags the scaled
 #     loss with the scale it applied (_backward/frames.py CARRIES_ATTR), stripped alike;
 #   * loss.backward() directly: nothing to strip; graphscale applies every

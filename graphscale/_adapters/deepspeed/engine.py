@@ -31,7 +31,7 @@ compiled autograd (``compiled.py``).
 #     started stays governed if remove() runs inside it.  The descriptors come off with
 #     graphscale's patch of torch.autograd.backward (hooks.py redirect_off);
 #   * the loss division: engine.backward is shadowed by a function that calls
-#     DeepSpeed's with scale_wrt_gas=False inside engine_backward(...) (_backward/frames.py),
+#     DeepSpeed's with scale_wrt_gas=False inside adapter_backward(...) (_backward/frames.py),
 #     and returns loss / GAS (or loss) as DeepSpeed does.
 # Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
 # reduction hooks, timers) runs untouched, once per backward (NOTE [ One
@@ -67,7 +67,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._backward.frames import CARRIES_ATTR, compiled_autograd_active, engine_backward
+from ..._backward.frames import CARRIES_ATTR, adapter_backward, compiled_autograd_active
 from ..._core.errors import GraphscaleError
 from ..._core.observation import laps
 from .checks import check_engine
@@ -131,7 +131,7 @@ class _EngineAdapter:
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
             running = getattr(engine, "_running_engine_backward", False)
             try:
-                with engine_backward(scale_wrt_gas, read_scale(), (engine, loss)):
+                with adapter_backward(scale_wrt_gas, read_scale(), (engine, loss)):
                     if timed:
                         timed("adapter")
                     deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)

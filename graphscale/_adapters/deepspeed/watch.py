@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._backward.frames import engine_backward
+from ..._backward.frames import adapter_backward
 from ..._core.errors import GraphscaleError
 from .checks import check_engine
 from .hooks import attached as _attached
@@ -45,7 +45,7 @@ def observe(engine: Any) -> Callable[[], None]:
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             running = getattr(engine, "_running_engine_backward", False)
             try:
-                with engine_backward(scale_wrt_gas, 1.0, (engine, loss)):
+                with adapter_backward(scale_wrt_gas, 1.0, (engine, loss)):
                     return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
             finally:  # <= 0.19.5 leaves it True when its backward raised (the diagnosis' refusal, for one)
                 engine._running_engine_backward = running
