@@ -410,3 +410,26 @@ def test_build_command_fails_with_exit_code_1_and_the_fix(tmp_path: Path) -> Non
     (line,) = [ln for ln in run.stderr.strip().splitlines() if ln.startswith("graphscale")]
     assert line.startswith(_build.FAILED) and "/bin/false" in line and "Fix: install a C++ compiler" in line, line
     assert not list(tmp_path.glob("*/*.so")) and list(tmp_path.glob("*/build-failure.log"))
+
+
+def _interface() -> list[str]:
+    from graphscale._backward.backend import Backend
+
+    return sorted(n for n in vars(Backend) if not n.startswith("_")) + sorted(Backend.__annotations__)
+
+
+def test_both_backends_offer_the_whole_interface_and_the_native_one_is_the_extension_itself(native: Any) -> None:
+    """NOTE [ One interface, two backends ]: every member of the Backend
+    protocol on both backends, and the native running-state methods are the
+    extension's own functions (no Python frame between caller and C++)."""
+    from graphscale._backward import running as _running
+
+    backend = _native_backend.of(native)
+    names = _interface()
+    assert {"probe", "plan", "binding", "bound", "running_plan", "running", "nested_plan", "name"} <= set(names)
+    missing = [(b.name, n) for b in (_running.PYTHON, backend) for n in names if not hasattr(b, n)]
+    assert not missing, missing
+    for name in ("binding", "reference_binding", "bound", "running_plan", "running", "enclosing_phi", "nested_plan"):
+        assert getattr(backend, name) is getattr(native, name), name
+    assert _native_backend.of(native) is backend  # one backend per module
+    assert (_running.PYTHON.module, backend.module) == (None, native)
