@@ -86,8 +86,8 @@ _py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, readi
 
 
 class Binding:
-    """What a running backward's graph task is bound to, where the native
-    module is not loaded (its ``Binding`` has the same fields): the
+    """What a running backward's graph task is bound to, in the Python
+    backend (the native one's ``Binding`` has the same fields): the
     ``reading`` (snapshot and factors) that governs it, and (NOTE [ Fast path
     ] in _backward/entry.py) where no plan of it exists, the ``potential``
     everything in it carries, from which a nested backward is planned (None:
@@ -199,7 +199,7 @@ class PythonBackend:
 
     def binding(self, reading: Reading, potential: float | None, on_failure: list[Callable[[], None]] | None,
                 governor: Any) -> Binding:
-        return Binding(reading, potential, False, on_failure)
+        return Binding(reading, potential, False, on_failure)  # (no governor: nested plans are made in Python)
 
     def reference_binding(self, reading: Reading) -> Binding:
         return Binding(reading, reference=True, on_failure=[])
