@@ -19,12 +19,14 @@ PYTHONHASHSEED=0, one torch thread, the CPU accelerator and glibc's malloc
 held still (NOTE [ A still heap ] in gsbench/cost_cli.py).
 
 Python calls (``sys.setprofile``'s 'call' and 'c_call' events) repeat
-exactly.  Instructions repeat to within about a percent: what is left moves
-with the heap's layout, which the process's earlier life (a port number, a
-pid, the gloo threads' timing) shifts a little from run to run (malloc's
-searches, CPython's attribute cache, whose slots are picked by the names'
-addresses); the median keeps one backward's odd event (a dict resized, a
-heap grown) out of the figure.
+exactly.  Instructions nearly do: what is left moves with the process's
+memory layout, which its earlier life (the code it imported, a port number,
+the gloo threads' timing) shifts from run to run: CPython's attribute cache
+picks its slots by the names' addresses, malloc's searches depend on what
+is where.  DeepSpeed's own backward of ~1 million instructions moves by
+0.5-1 %, a few percent of a tiny case's addition (NOTE [ The cost margin ]
+in gsbench/gate.py has the figures).  The median keeps one backward's odd
+event (a dict resized, a heap grown) out of the figure.
 
 The cases are tiny.py's four (two ZeRO-1 engines of one Linear(8, 8), GAS 2
 and 4, under the same names as the timed table), one engine alone in the
