@@ -191,7 +191,6 @@ def baseline_of(measured: Mapping[str, Any]) -> dict[str, Any]:
         "machine": machine(),
         "walker": measured["walker"],
         "runs": measured["runs"],
-        "margin": {"relative": gate.RELATIVE, "slack": gate.SLACK},
         "cases": {cid: {k: case[k] for k in keep if k in case} for cid, case in measured["cases"].items()},
     }
 

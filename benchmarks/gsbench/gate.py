@@ -6,21 +6,23 @@ plain data in, findings out (tests/test_cost_gate.py).
 NOTE [ The cost margin ]
 A case fails when what graphscale adds per backward, in instructions or in
 Python calls, exceeds ``baseline x (1 + RELATIVE) + slack``: RELATIVE 3 %,
-slack 15 000 instructions or 2 calls.  Python calls repeat exactly from run
-to run.  Instructions do not, quite: over thirteen runs of the same graphscale
-(some with the benchmark's own code edited, some with the heap shifted on
-purpose before anything was imported) a tiny case's addition moved by up to
-7.3 % (nested: 209-224 thousand), the large walk's by 1.5 %.  That noise is
+slack 20 000 instructions or 2 calls.  Python calls repeat exactly from run
+to run.  Instructions do not, quite: over eleven runs of the same graphscale
+(the benchmark's own code edited between some, the heap shifted on purpose
+before anything was imported in four) a tiny case's addition moved by up to
+7.8 % (nested: 208-224 thousand), the large walk's by 1.5 %.  That noise is
 absolute, not relative: it is the ~1 million instructions of DeepSpeed's own
 backward moving by 0.5-1 % with the process's memory layout (CPython's
 attribute cache picks its slots by the names' addresses; malloc's searches),
 which is as large beside an addition of 160 thousand as beside one of 3
-million.  So the slack carries it: with the 3 %, a tiny case may move by
-21-22 thousand, 1.4 times the widest range seen (15 thousand); and 3 % is
-twice the large walk's spread.  The regressions the gate is for are far
-larger: between a049ee1 and 036ca8d (issue 40) the tiny cases' fixed cost
-grew by 40-150 %.  A case that
-shrinks past the same margin passes with a note to run ``--update``.
+million.  So the slack carries it: a tiny case may move by 24-27 thousand,
+1.6 times the widest range seen (16 thousand; 15 000 would have left 1.3
+times, too little for eleven runs' worth of knowledge of the tails); the
+3 % is the large walk's, 2.5 times its range.  The regressions the gate is
+for are larger: between a049ee1 and 036ca8d (issue 40) the tiny cases'
+fixed cost grew by 40-150 %; a tiny case must grow by 13-19 % to fail.  A
+case that shrinks past the same margin passes with a note to run
+``--update``.
 
 NOTE [ Explaining a growth ]
 A growth that is meant (a feature that costs) is said in the commit that
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 RELATIVE = 0.03
-SLACK = {"instructions": 15000.0, "calls": 2.0}
+SLACK = {"instructions": 20000.0, "calls": 2.0}
 METRICS = {"instructions": "instructions added per backward", "calls": "Python calls added per backward"}
 TRAILER = "Cost-Change"
 ALL_CASES = "all"
