@@ -216,7 +216,7 @@ def table(cases: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[str
         instr = _cells(c, b, "instructions")
         rows.append([cid, c["title"], c.get("route", ""),
                      f"{c['instructions_without']:,.0f}" if "instructions_without" in c else "-",
-                     instr[0], f"{c['instructions_spread']:.2%}" if "instructions_spread" in c else "-",
+                     instr[0], f"{c['instructions_spread']:.2%}" if len(c.get("instructions_runs", ())) > 1 else "-",
                      instr[1], instr[2], *_cells(c, b, "calls")])
     return render(head, rows)
 
