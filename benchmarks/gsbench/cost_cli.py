@@ -278,8 +278,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     if warning:
         print(f"note: {warning}")
     metrics = ("calls",) if args.calls_only else tuple(gate.METRICS)
-    failures, notes = gate.messages(gate.compare(base["cases"], measured["cases"], explained, metrics),
-                                    base["commit"])
+    findings = gate.compare(base["cases"], measured["cases"], explained, metrics)
+    failures, notes = gate.messages(findings, base["commit"])
+    explained_n = sum(f.verdict == "explained" for f in findings)
     for line in notes:
         print(line)
     for line in failures:
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     if failures and args.check:
         print(f"\n{PROG} --check: FAILED, {len(failures)} figure(s) grew past the margin", file=sys.stderr)
         return 1
-    print(f"\n{PROG}{' --check' if args.check else ''}: "
-          + ("within the margin of the baseline" if not failures else f"{len(failures)} figure(s) grew"))
+    verdict = f"{len(failures)} figure(s) grew past the margin" if failures else "within the margin of the baseline"
+    if explained_n:
+        verdict += f" ({explained_n} figure(s) grew, each explained by a {gate.TRAILER} trailer)"
+    print(f"\n{PROG}{' --check' if args.check else ''}: {verdict}")
     return 0
