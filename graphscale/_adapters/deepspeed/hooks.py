@@ -53,18 +53,38 @@ def _engine_of(d: dict[str, Any]) -> Any:
     return engine
 
 
-def _governing(d: dict[str, Any]) -> tuple[Any, Any]:
-    """(the engine of the manager of instance dict ``d`` or None, the binding
-    of the running graph task if it governs that engine or None): what both
-    descriptors ask, in one call, every time an output hook fires."""
+_NOW = "_graphscale_now"  # on a manager: what _governing found for the graph task that runs it now
+_task_id = torch._C._current_graph_task_id
+
+
+def _governing(d: dict[str, Any]) -> tuple[int, Any, Any, bool, Any, bool]:
+    """What both descriptors ask, every time an output hook of the manager
+    of instance dict ``d`` fires: (the graph task, the manager's engine or
+    None, the task's binding if it governs that engine or is a reference
+    pass, else None; whether it is a reference pass, the binding's ``once``
+    set, whether the snapshot it obeys governs the engine).  Found once per
+    manager and graph task (torch never reuses a task's id) and kept on the
+    manager: an engine's outputs fire its hooks several times a backward,
+    each reading two or three attributes; a task binds before any of them
+    fires (NOTE [ Which snapshot an output hook obeys ])."""
+    tid = _task_id()
+    now = d.get(_NOW)
+    if now is not None and now[0] == tid:
+        return now  # type: ignore[no-any-return]
     seen = d.get(_SEEN)
     engine = seen[1] if seen is not None and seen[0] is d.get(_FN) else _engine_of(d)
-    if engine is None:
-        return None, None
-    binding = task_binding()  # NOTE [ Which snapshot an output hook obeys ] (in _backward/running.py)
-    if binding is None or not (binding.reference or id(engine) in binding.state.hook_owners):
-        return engine, None
-    return engine, binding
+    binding = None if engine is None else task_binding()  # NOTE [ Which snapshot an output hook obeys ]
+    reference, once, governed = False, None, False
+    if binding is not None:
+        reference, governed = binding.reference, id(engine) in binding.state.hook_owners
+        if reference or governed:
+            once = binding.once
+        else:
+            binding = None
+    now = (tid, engine, binding, reference, once, governed)
+    if tid >= 0:
+        d[_NOW] = now
+    return now
 
 
 class _PerTensorRedirect:
@@ -78,13 +98,14 @@ class _PerTensorRedirect:
         if manager is None:
             return self
         d = manager.__dict__
-        engine, binding = _governing(d)
-        if binding is not None and id(engine) in binding.state.hook_owners:
+        if _governing(d)[5]:
             return None
         return d.get(_FN)
 
     def __set__(self, manager: Any, value: Any) -> None:
-        manager.__dict__[_FN] = value
+        d = manager.__dict__
+        d[_FN] = value
+        d.pop(_NOW, None)  # another function: another engine, perhaps
 
 
 _DONE = "preprocess_done"
@@ -100,20 +121,20 @@ class _PrologueOncePerBackward:
         if manager is None:
             return self
         d = manager.__dict__
-        engine, binding = _governing(d)
+        _, engine, binding, reference, once, _ = _governing(d)
         if binding is None:
             return d.get(_DONE, False)
-        return binding.reference or id(engine) in binding.once
+        return reference or id(engine) in once
 
     def __set__(self, manager: Any, value: Any) -> None:
         d = manager.__dict__
         d[_DONE] = value
         if not value:
             return
-        engine, binding = _governing(d)
-        if binding is None or binding.reference or id(engine) in binding.once:
+        _, engine, binding, reference, once, _ = _governing(d)
+        if binding is None or reference or id(engine) in once:
             return
-        binding.once.add(id(engine))  # the manager runs the engine's prologue next
+        once.add(id(engine))  # the manager runs the engine's prologue next
         adapter = attached.get(id(engine))
         if adapter is not None:
             adapter.prologue_starts(binding.on_failure)
