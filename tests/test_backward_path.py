@@ -31,7 +31,7 @@ from graphscale._backward import route as _route
 ORIGINAL = _call.ORIGINAL_BACKWARD.__code__
 ENTRY = _entry.governed_backward.__code__
 NATIVE_TOP_LEVEL = [("_backward/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
-                    ("_backward/frames.py", "open_frame.__init__"), ("_core/snapshot.py", "State.read"),
+                    ("_backward/frames.py", "Frame.__init__"), ("_core/snapshot.py", "State.read"),
                     ("_core/group.py", "read_pins"), ("_backward/route.py", "govern_natively")]
 NATIVE_NESTED = [("_backward/entry.py", "governed_backward"), ("_backward/route.py", "govern_nested_natively"),
                  ("_backward/frames.py", "compiled_autograd_active")]

@@ -15,7 +15,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 # once, in this order, before torch's own backward runs:
 #   entry.governed_backward         the patched torch.autograd.backward
 #   call.BackwardCall.of            the call, read once
-#   frames.open_frame               scale_wrt_gas, what the seeds carry, what
+#   frames.Frame (open_frame)       scale_wrt_gas, what the seeds carry, what
 #                                   completes it if it raises
 #   _core/snapshot.State.read       the factors, one per group, through
 #   _core/group.read_pins           each group's Group.pin: its gas or factor
@@ -143,12 +143,6 @@ def _unpatch() -> None:
         fn()
 
 
-def _enter() -> None:
-    global _top_level_running
-    with _patch_lock:
-        _top_level_running += 1
-
-
 def _leave() -> None:
     global _top_level_running
     with _patch_lock:
@@ -200,8 +194,10 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
     """The top-level backward ``call`` governed by ``state``: through the
     native route (the loaded native module, or ``native``: the self-test's)
     where it takes it, else through the Python route."""
+    global _top_level_running
     laps = _observation.laps() if _observation.ACTIVE.phases else None
-    _enter()
+    with _patch_lock:  # one more top-level backward runs (_leave: one fewer)
+        _top_level_running += 1
     try:
         with _frames.open_frame(laps) as frame:  # NOTE [ A backward that raised ] in frames.py
             reading = state.read(frame.scaling)  # may raise: nothing touched yet

@@ -110,41 +110,35 @@ def compiled_autograd_active() -> bool:
 class Frame:
     """One top-level governed backward as its caller frames it: ``scaling``
     (False inside an :func:`adapter_backward` that turned the factors off),
-    what its seeds carry already by default (``carries``), whether compiled autograd captures it (``compiled``), the
-    list NOTE [ A backward that raised ] runs (``on_failure``), and its lap
-    clock (``laps``, or None)."""
+    what its seeds carry already by default (``carries``), both read from the
+    innermost :func:`adapter_backward`; whether compiled autograd captures it
+    (``compiled``), the list NOTE [ A backward that raised ] runs
+    (``on_failure``), and its lap clock (``laps``, or None).
+
+    ``with open_frame(laps) as frame:`` around the backward on this thread:
+    on an exception, runs what was appended to ``frame.on_failure``, then
+    lets it go on.  One object, made once per backward."""
 
     __slots__ = ("scaling", "carries", "compiled", "on_failure", "laps")
 
-    def __init__(self, scaling: bool, carries: float, laps: Any) -> None:
-        self.scaling, self.carries, self.laps = scaling, carries, laps
-        self.compiled = compiled_autograd_active()
-        self.on_failure: list[Callable[[], None]] = []
-
-
-class open_frame:
-    """``with open_frame(laps) as frame:`` around one top-level governed
-    backward on this thread: its :class:`Frame`, read from the innermost
-    :func:`adapter_backward`; on an exception, runs what was appended to
-    ``frame.on_failure`` (NOTE [ A backward that raised ]), then lets it go on."""
-
-    __slots__ = ("frame",)
-
     def __init__(self, laps: Any = None) -> None:
         stack = _local.adapter_calls
-        scaling, carries = stack[-1][:2] if stack else (True, 1.0)
-        self.frame = Frame(scaling, carries, laps)
+        self.scaling, self.carries = stack[-1][:2] if stack else (True, 1.0)
+        self.laps = laps
+        ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
+        self.compiled = ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+        self.on_failure: list[Callable[[], None]] = []
 
     def __enter__(self) -> Frame:
-        _local.failing.append(self.frame.on_failure)
-        return self.frame
+        _local.failing.append(self.on_failure)
+        return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         _local.failing.pop()
-        todo = self.frame.on_failure
+        todo = self.on_failure
         if exc is None or not todo:
             return
-        self.frame.on_failure = []
+        self.on_failure = []
         for fn in todo:
             try:
                 fn()
@@ -152,6 +146,9 @@ class open_frame:
                 if isinstance(exc, BaseException):
                     exc.add_note(f"graphscale: after this error, completing an engine's backward raised too: "
                                  f"{type(err).__name__}: {err}")
+
+
+open_frame = Frame  # ``with open_frame(laps) as frame:`` reads as what it does
 
 
 def innermost() -> list[Callable[[], None]]:

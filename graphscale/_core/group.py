@@ -90,14 +90,12 @@ class spec_reads:
         _frame.reads = self.saved
 
 
-def _read(spec: Callable[[], Any], what: str, group: str) -> Any:
-    try:
-        return spec()
-    except Exception as exc:
-        raise GraphscaleError(
-            f"graphscale: the {what} callable of group {group!r} raised "
-            f"{type(exc).__name__}: {exc}. No gradient was touched."
-        ) from exc
+def _raised(exc: Exception, what: str, group: str) -> GraphscaleError:
+    """The error of a group's ``what`` callable (gas or factor) that raised ``exc``."""
+    return GraphscaleError(
+        f"graphscale: the {what} callable of group {group!r} raised "
+        f"{type(exc).__name__}: {exc}. No gradient was touched."
+    )
 
 
 def _named_leaves(module_or_params: Any) -> tuple[list[tuple[str, torch.Tensor]], str]:
@@ -235,14 +233,23 @@ class Group:
                 return hit  # type: ignore[no-any-return]
         spec = self._factor
         if spec is not None:
-            value = _read(spec, "factor", self.name) if callable(spec) else spec
+            if callable(spec):
+                try:
+                    value = spec()
+                except Exception as exc:
+                    raise _raised(exc, "factor", self.name) from exc
+            else:
+                value = spec
             if type(value) is float and 0.0 < value < math.inf:  # the usual value: checked without the message
                 return "factor", value
             where = f"the factor callable of group {self.name!r}" if callable(spec) else "Group(factor=...)"
             return "factor", _check_factor_value(value, where)
         spec = self._gas
         if callable(spec):
-            value = _read(spec, "gas", self.name)
+            try:  # (inline, not through a helper: read once per group per backward)
+                value = spec()
+            except Exception as exc:
+                raise _raised(exc, "gas", self.name) from exc
             if type(value) is int and value >= 1:  # the usual value: checked without the message
                 return "gas", value
             return "gas", _check_gas_value(value, f"the gas callable of group {self.name!r}")
@@ -265,7 +272,11 @@ class Group:
         (1 when ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``),
         times the loss scale an adapter's group reads (an fp16 engine's:
         ``_scale``, a callable the adapter set, or None)."""
-        f = self.factor() if scaling else 1.0
+        if scaling:
+            kind, value = self.read_spec()
+            f = 1.0 / value if kind == "gas" else value
+        else:
+            f = 1.0
         scale = self._scale
         return f if scale is None else f * float(scale())
 
