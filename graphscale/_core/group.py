@@ -272,11 +272,7 @@ class Group:
         (1 when ``not scaling``, i.e. ``engine.backward(scale_wrt_gas=False)``),
         times the loss scale an adapter's group reads (an fp16 engine's:
         ``_scale``, a callable the adapter set, or None)."""
-        if scaling:
-            kind, value = self.read_spec()
-            f = 1.0 / value if kind == "gas" else value
-        else:
-            f = 1.0
+        f = self.factor() if scaling else 1.0
         scale = self._scale
         return f if scale is None else f * float(scale())
 
