@@ -125,7 +125,7 @@ def test_each_branch_of_the_native_route_matches_the_python_route(
 def _leftovers(native: Any, before: tuple[int, ...]) -> dict[str, Any]:
     tally = native.hook_tally()
     return {"multiplier hooks alive": tally[1] - before[1], "binding hooks alive": tally[3] - before[3],
-            "running plans": _running.running(), "bound tasks": dict(_running._by_task)}
+            "running plans": _running.running(), "bound tasks": dict(_running.bindings)}
 
 
 _CLEAN = {"multiplier hooks alive": 0, "binding hooks alive": 0, "running plans": (), "bound tasks": {}}

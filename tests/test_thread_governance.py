@@ -6,8 +6,8 @@ On CUDA, autograd runs a backward's nodes on its device worker threads, so
 an engine's output hook cannot see the thread-local snapshot of the governed
 backward that the caller's thread holds.  graphscale binds each governed
 backward's graph task (``torch._C._current_graph_task_id()``, readable on
-every thread that runs the task's nodes) to its snapshot, and the hook asks
-:func:`graphscale._backward.running.task_binding`, which reads nothing else: no
+every thread that runs the task's nodes) to its snapshot, and the hook looks
+the task up in :data:`graphscale._backward.running.bindings` and reads nothing else: no
 thread-local, so what the hook sees on the CPU, where nodes run on the
 caller's thread, is exactly what it would see on a device worker thread.
 The tests check that every output hook found its task bound, and drive
@@ -184,8 +184,8 @@ def caller_thread_local_hidden(roots: Sequence[torch.Tensor], monkeypatch: pytes
                                on_reach: Callable[[], None] | None = None) -> Iterator[Hidden]:
     """Enter on the thread that calls the backward.  When the backward
     reaches ``roots`` (graphscale's binding hook has run; no engine's output
-    hook has), ``on_reach()`` runs (a pause).  Records, for every call of the
-    output hooks' ``task_binding()``, whether the task binding was there
+    hook has), ``on_reach()`` runs (a pause).  Records, for every lookup the
+    output hooks make in ``bindings``, whether the task binding was there
     (graphscale keeps no thread-local a hook could read instead: the first
     field is always False; on CUDA the hooks run on autograd's device
     threads)."""
@@ -198,13 +198,7 @@ def caller_thread_local_hidden(roots: Sequence[torch.Tensor], monkeypatch: pytes
                 on_reach()
         return grad
 
-    asked = _deepspeed_hooks.task_binding  # whatever is there (a mutation, or the real one)
-
-    def recording_task_binding() -> Any:
-        seen.hook_calls.append((False, _running.task_binding() is not None))
-        return asked()
-
-    monkeypatch.setattr(_deepspeed_hooks, "task_binding", recording_task_binding)
+    monkeypatch.setattr(_deepspeed_hooks, "bindings", _Recording(_deepspeed_hooks.bindings, seen))
     handles = [r.register_hook(hide) for r in roots]
     try:
         yield seen
@@ -414,15 +408,37 @@ def _binds_nothing(roots: Sequence[Any], state: Any) -> Iterator[tuple[Any, ...]
     yield tuple(roots)
 
 
-def _installed_now() -> Any:
-    """A binding-shaped answer from what is installed now, not from the running task."""
-    state = _snapshot.current()
-    return None if state is None else _running.Binding(_snapshot.Reading(state, {}))
+class _Recording:
+    """What the output hooks read as ``bindings`` (graphscale.running's task
+    -> binding map) inside :func:`caller_thread_local_hidden`: each lookup
+    is recorded, then answered by ``asked`` (the real map, or a mutation)."""
+
+    def __init__(self, asked: Any, seen: Hidden) -> None:
+        self.asked, self.seen = asked, seen
+
+    def __bool__(self) -> bool:
+        return True  # every hook asks, so every ask is recorded
+
+    def get(self, tid: int) -> Any:
+        self.seen.hook_calls.append((False, _running.task_binding() is not None))
+        return self.asked.get(tid)
+
+
+class _InstalledNow:
+    """A ``bindings`` that answers every task from what is installed now,
+    not from the running task."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def get(self, tid: int) -> Any:
+        state = _snapshot.current()
+        return None if state is None else _running.Binding(_snapshot.Reading(state, {}))
 
 
 MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
     "unbound": lambda mp: (mp.setattr(_running, "bound", _binds_nothing), _seams.swap_in(mp)._set_may_bind(False)),
-    "installed_now": lambda mp: mp.setattr(_deepspeed_hooks, "task_binding", _installed_now),
+    "installed_now": lambda mp: mp.setattr(_deepspeed_hooks, "bindings", _InstalledNow()),
 }
 
 

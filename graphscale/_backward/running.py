@@ -12,7 +12,7 @@ the native module keeps the running state (:func:`use_native`) the registry,
 the bindings and the binding hook are the native ones, for both routes and
 the tools; the Python ones here serve only before that, and the Python
 binding hook also under compiled autograd (which lifts Python hooks only).
-The graph task -> binding map is one dict, ``_by_task``, either way.
+The graph task -> binding map is one dict, ``bindings``, either way.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from .frames import compiled_autograd_active
 from .sharing import ORIGINAL_BACKWARD
 
 __all__ = [
-    "PythonBackend", "PYTHON", "state", "use_native", "binds_shared_nodes", "Binding", "binding_for",
+    "PythonBackend", "PYTHON", "state", "use_native", "binds_shared_nodes", "Binding", "bindings", "binding_for",
     "reference_binding", "bound", "task_binding", "task_reading", "running_plan", "running", "enclosing_phi",
     "find_enclosing",
 ]
@@ -81,7 +81,9 @@ __all__ = [
 # so do the backwards nested in it.
 
 
-_by_task: dict[int, Any] = {}  # graph task id -> binding, while that backward runs (both kinds of hook write it)
+# graph task id -> binding, while that backward runs (both kinds of hook write it; the
+# DeepSpeed adapter's output hooks read it: task_binding() without its frame)
+bindings: dict[int, Any] = {}
 _py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, reading), innermost last
 
 
@@ -126,8 +128,8 @@ class _PyBound:
 
     def _bind(self, *_: Any) -> None:
         tid = torch._C._current_graph_task_id()
-        if tid >= 0 and tid not in _by_task:
-            _by_task[tid] = self.binding
+        if tid >= 0 and tid not in bindings:
+            bindings[tid] = self.binding
             self.tasks.append(tid)
 
     def __enter__(self) -> tuple[Any, ...]:
@@ -157,7 +159,7 @@ class _PyBound:
         for h in self.handles:
             h.remove()
         for tid in self.tasks:
-            _by_task.pop(tid, None)
+            bindings.pop(tid, None)
 
 
 
@@ -235,13 +237,13 @@ def use_native(module: Any) -> bool:
     global state
     if state.module is module:
         return True
-    if _py_running or _by_task:
+    if _py_running or bindings:
         return False
     backend = _native_backend.of(module)
 
     def switch() -> None:
         global state
-        backend.configure(_by_task, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
+        backend.configure(bindings, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
         state = backend
     return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
 
@@ -282,7 +284,7 @@ def bound(roots: Sequence[Any], binding: Any) -> Any:
 
 def task_binding() -> Any:
     """The binding of the graph task this thread is running a node of, or None."""
-    return _by_task.get(torch._C._current_graph_task_id()) if _by_task else None
+    return bindings.get(torch._C._current_graph_task_id()) if bindings else None
 
 
 def task_reading() -> Reading | None:

@@ -63,11 +63,12 @@ compiled autograd (``compiled.py``).
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
 
-from ..._backward.frames import CARRIES_ATTR, adapter_backward, compiled_autograd_active
+from ..._backward.frames import CARRIES_ATTR, adapter_backward
 from ..._core.errors import GraphscaleError
 from ..._core.observation import laps
 from .checks import check_engine
@@ -76,9 +77,19 @@ from .failed import Attempt, Drains, begin, deepspeed_recovers, discard, fail_cl
 from .hooks import PROLOGUE, SHADOWED, redirect_off, redirect_on
 from .hooks import attached as _attached
 from .hooks import lock as _lock
-from .reads import is_zero_optimizer, scale_reader
+from .reads import is_zero_optimizer, scale_reader, scale_source
 
 __all__ = ["attach", "after_epilogue"]
+
+
+def _refuse_replaced(engine: Any) -> None:
+    """Raise where what an adapter shadows on the engine instance is there already."""
+    if any(n in engine.__dict__ for n in (PROLOGUE, *SHADOWED)):
+        raise GraphscaleError(
+            "graphscale: this engine's backward, scale, _backward_prologue, _backward_epilogue or "
+            "_backward_prologue_per_tensor is already replaced on the instance (by another tool?); "
+            "graphscale cannot govern it safely.")
+
 
 class _EngineAdapter:
     """Switches one engine's loss division off while it is installed
@@ -102,12 +113,9 @@ class _EngineAdapter:
         deepspeeds_backward = cls.backward.__get__(engine, cls)
         deepspeeds_scale = cls.scale.__get__(engine, cls) if hasattr(cls, "scale") else None
         self.read_scale = read_scale = scale_reader(engine)
+        self.scale_source = scale_source(engine)  # what read_scale reads (None: a scale of 1)
         sticky_flag = "_scale_wrt_gas" in engine.__dict__  # <= 0.19.5
-        if any(n in engine.__dict__ for n in (PROLOGUE, *SHADOWED)):
-            raise GraphscaleError(
-                "graphscale: this engine's backward, scale, _backward_prologue, _backward_epilogue or "
-                "_backward_prologue_per_tensor is already replaced on the instance (by another tool?); "
-                "graphscale cannot govern it safely.")
+        _refuse_replaced(engine)
         deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
         self.deepspeeds_prologue = cls._backward_prologue.__get__(engine, cls)
         self.open, self.dead, self.ended, self.attempt, self.window, self.drains = False, None, False, None, -1, None
@@ -161,7 +169,8 @@ class _EngineAdapter:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
         eagerly under compiled autograd (NOTE [ Under compiled autograd ] in
         _adapters/deepspeed/compiled.py)."""
-        if not compiled_autograd_active():
+        ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
+        if ca is None or not (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
             self.deepspeeds_prologue()
         else:
             prologue_under_compiled_autograd(self.engine, self.deepspeeds_prologue, self.active)
@@ -188,7 +197,8 @@ class _EngineAdapter:
                 opt.exit_backward()
         self.open, self.attempt = True, None  # (the prologue, next, takes the attempt's snapshot)
         on_failure.append(self.backward_failed)
-        if not getattr(engine, "_running_engine_backward", False) and self.read_scale() != 1.0:
+        source = self.scale_source  # (read_scale() without its frame: None is a scale of 1)
+        if source is not None and not getattr(engine, "_running_engine_backward", False) and float(source()) != 1.0:
             # A direct backward: graphscale applies the loss scale (NOTE [ fp16 engines ]), which
             # DeepSpeed's epilogue checks was done.
             engine._manual_backward_expected = True

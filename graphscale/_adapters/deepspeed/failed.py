@@ -100,14 +100,19 @@ class Drains:
 
 
 class Attempt:
-    """What an engine's governed backward began with, right after DeepSpeed's
-    prologue: ZeRO's hook count, the drain count, whether the buckets were
-    set up, whether this window holds an earlier completed backward."""
+    """What an engine's governed backward began with, read right after
+    DeepSpeed's prologue (``Attempt(engine, drains, earlier)``, also named
+    :func:`begin`): ZeRO's hook count, the drain count, whether the buckets
+    were set up, whether this window holds an earlier completed backward
+    (``earlier``, the caller's to say)."""
 
     __slots__ = ("fired", "drains", "ready", "earlier")
 
-    def __init__(self, fired: int, drains: int, ready: bool, earlier: bool) -> None:
-        self.fired, self.drains, self.ready, self.earlier = fired, drains, ready, earlier
+    def __init__(self, engine: Any, drains: Drains, earlier: bool) -> None:
+        opt = engine.optimizer
+        state = getattr(opt, "_backward_hook_state", None)  # (_fired(opt), inline: once per engine and backward)
+        self.fired = int(getattr(state, "hooks_fired_this_backward", 0))
+        self.drains, self.ready, self.earlier = drains.count, bool(getattr(opt, "ready_for_gradients", False)), earlier
 
 
 def _fired(opt: Any) -> int:
@@ -115,10 +120,7 @@ def _fired(opt: Any) -> int:
     return int(getattr(state, "hooks_fired_this_backward", 0))
 
 
-def begin(engine: Any, drains: Drains, earlier: bool) -> Attempt:
-    """The snapshot :func:`discard` measures the attempt against."""
-    opt = engine.optimizer
-    return Attempt(_fired(opt), drains.count, bool(getattr(opt, "ready_for_gradients", False)), earlier)
+begin = Attempt  # the snapshot :func:`discard` measures the attempt against (one call, once per engine and backward)
 
 
 def _permanent(opt: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from ..._backward.entry import patched, when_unpatched
-from ..._backward.running import task_binding
+from ..._backward.running import bindings
 from ..._core.errors import GraphscaleError
-from .reads import engine_type
+from .reads import engine_type, found
 
 __all__ = ["attached", "is_output_hooked", "redirect_on", "redirect_off", "PROLOGUE", "SHADOWED"]
 
@@ -37,43 +37,29 @@ def is_output_hooked(tensor: torch.Tensor) -> bool:
                                      for h in hooks.values())
 
 
-_SEEN = "_graphscale_engine_of"  # on a manager: (its per-tensor function, the engine it names or None)
-
-
-def _engine_of(d: dict[str, Any]) -> Any:
-    """The engine whose forward made the hook manager of instance dict ``d``
-    (its per-tensor function is the engine's bound
-    ``_backward_prologue_per_tensor``), or None; read once per manager and
-    function (the hooks ask several times a backward)."""
-    fn = d.get(_FN)
-    engine = getattr(fn, "__self__", None)
-    if not (getattr(fn, "__name__", None) == PROLOGUE and isinstance(engine, engine_type())):
-        engine = None
-    d[_SEEN] = (fn, engine)
-    return engine
-
-
 _NOW = "_graphscale_now"  # on a manager: what _governing found for the graph task that runs it now
 _task_id = torch._C._current_graph_task_id
 
 
-def _governing(d: dict[str, Any]) -> tuple[int, Any, Any, bool, Any, bool]:
+def _governing(d: dict[str, Any], tid: int) -> tuple[int, Any, Any, bool, Any, bool]:
     """What both descriptors ask, every time an output hook of the manager
-    of instance dict ``d`` fires: (the graph task, the manager's engine or
-    None, the task's binding if it governs that engine or is a reference
-    pass, else None; whether it is a reference pass, the binding's ``once``
-    set, whether the snapshot it obeys governs the engine).  Found once per
-    manager and graph task (torch never reuses a task's id) and kept on the
-    manager: an engine's outputs fire its hooks several times a backward,
+    of instance dict ``d`` fires in graph task ``tid``: (the graph task, the
+    manager's engine or None, the task's binding if it governs that engine
+    or is a reference pass, else None; whether it is a reference pass, the
+    binding's ``once`` set, whether the snapshot it obeys governs the
+    engine).  Found once per manager and graph task (torch never reuses a
+    task's id) and kept on the manager under ``_NOW``, which the descriptors
+    read first: an engine's outputs fire its hooks several times a backward,
     each reading two or three attributes; a task binds before any of them
-    fires (NOTE [ Which snapshot an output hook obeys ])."""
-    tid = _task_id()
-    now = d.get(_NOW)
-    if now is not None and now[0] == tid:
-        return now  # type: ignore[no-any-return]
-    seen = d.get(_SEEN)
-    engine = seen[1] if seen is not None and seen[0] is d.get(_FN) else _engine_of(d)
-    binding = None if engine is None else task_binding()  # NOTE [ Which snapshot an output hook obeys ]
+    fires (NOTE [ Which snapshot an output hook obeys ]).  The manager's
+    engine: its per-tensor function is the engine's bound
+    ``_backward_prologue_per_tensor``."""
+    fn = d.get(_FN)
+    engine = getattr(fn, "__self__", None)
+    if not (getattr(fn, "__name__", None) == PROLOGUE and isinstance(engine, found.engine or engine_type())):
+        engine = None
+    # NOTE [ Which snapshot an output hook obeys ]: the task's binding.
+    binding = None if engine is None or not bindings else bindings.get(tid)
     reference, once, governed = False, None, False
     if binding is not None:
         reference, governed = binding.reference, id(engine) in binding.state.hook_owners
@@ -98,9 +84,10 @@ class _PerTensorRedirect:
         if manager is None:
             return self
         d = manager.__dict__
-        if _governing(d)[5]:
-            return None
-        return d.get(_FN)
+        now, tid = d.get(_NOW), _task_id()
+        if now is None or now[0] != tid:
+            now = _governing(d, tid)
+        return None if now[5] else d.get(_FN)
 
     def __set__(self, manager: Any, value: Any) -> None:
         d = manager.__dict__
@@ -121,17 +108,22 @@ class _PrologueOncePerBackward:
         if manager is None:
             return self
         d = manager.__dict__
-        _, engine, binding, reference, once, _ = _governing(d)
-        if binding is None:
+        now, tid = d.get(_NOW), _task_id()
+        if now is None or now[0] != tid:
+            now = _governing(d, tid)
+        if now[2] is None:
             return d.get(_DONE, False)
-        return reference or id(engine) in once
+        return now[3] or id(now[1]) in now[4]
 
     def __set__(self, manager: Any, value: Any) -> None:
         d = manager.__dict__
         d[_DONE] = value
         if not value:
             return
-        _, engine, binding, reference, once, _ = _governing(d)
+        now, tid = d.get(_NOW), _task_id()
+        if now is None or now[0] != tid:
+            now = _governing(d, tid)
+        _, engine, binding, reference, once, _ = now
         if binding is None or reference or id(engine) in once:
             return
         once.add(id(engine))  # the manager runs the engine's prologue next

@@ -5,25 +5,27 @@ from __future__ import annotations
 
 import sys
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, Callable
 
 __all__ = ["engine_type", "is_engine", "is_zero_optimizer", "scale_reader", "scale_source"]
 
 
-_engine_type: type | None = None  # found once: output hooks ask on every backward
+# DeepSpeedEngine once found (engine_type), else (): output hooks read it on every backward, as
+# ``found.engine or engine_type()`` (no call once found).
+found = SimpleNamespace(engine=None)
 
 
 def engine_type() -> type | tuple[()]:
     """DeepSpeedEngine, or () (no type) while deepspeed is not imported."""
-    global _engine_type
-    if _engine_type is not None:
-        return _engine_type
+    if found.engine is not None:
+        return found.engine  # type: ignore[no-any-return]
     ds = sys.modules.get("deepspeed")
-    found = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
-    if found is None:
+    cls = getattr(getattr(getattr(ds, "runtime", None), "engine", None), "DeepSpeedEngine", None)
+    if cls is None:
         return ()
-    _engine_type = found
-    return found
+    found.engine = cls
+    return cls  # type: ignore[no-any-return]
 
 
 def is_engine(obj: Any) -> bool:
