@@ -79,8 +79,9 @@ class BackwardCall(NamedTuple):
         if inputs is None and grad_variables is None and isinstance(tensors, torch.Tensor) and (
                 grad_tensors is None or isinstance(grad_tensors, torch.Tensor)):  # the usual call, read directly
             usable = tensors.grad_fn is not None or tensors.requires_grad
-            return cls(tensors, grad_tensors, retain_graph, create_graph, None, None,
-                       (tensors,) if usable else None, (grad_tensors,) if usable else None, ())
+            # cls(...) without its Python-level __new__ (a NamedTuple's is; this is what it does)
+            return tuple.__new__(cls, (tensors, grad_tensors, retain_graph, create_graph, None, None,
+                                       (tensors,) if usable else None, (grad_tensors,) if usable else None, ()))
         tensors, grad_tensors = materialize(tensors), materialize(grad_tensors)
         inputs = materialize(inputs)
         norm = None if grad_variables is not None else normalize(tensors, grad_tensors)

@@ -15,7 +15,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 # once, in this order, before torch's own backward runs:
 #   entry.governed_backward         the patched torch.autograd.backward
 #   call.BackwardCall.of            the call, read once
-#   frames.Frame (open_frame)       scale_wrt_gas, what the seeds carry, what
+#   frames.Frame                    scale_wrt_gas, what the seeds carry, what
 #                                   completes it if it raises
 #   _core/snapshot.State.read       the factors, one per group, through
 #   _core/group.read_pins           each group's Group.pin: its gas or factor
@@ -108,7 +108,10 @@ __all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
 # process where graphscale was installed and removed runs as one where it
 # never was.
 _patch_lock = threading.Lock()
-_top_level_running = 0
+# One item per top-level governed backward running now, any thread (append
+# and pop are atomic: no lock on every backward; the patch's lock is taken
+# only where the last one ends with nothing installed).
+_top_level_running: list[None] = []
 _when_unpatched: list[Callable[[], None]] = []
 
 
@@ -119,7 +122,7 @@ def patch(on: bool) -> None:
         if on:
             torch.autograd.backward = governed_backward
             _sharing.wrap_grad(True)  # NOTE [ Hooks on shared nodes ]
-        elif _top_level_running == 0 and torch.autograd.backward is governed_backward:
+        elif not _top_level_running and torch.autograd.backward is governed_backward:
             _unpatch()
 
 
@@ -143,12 +146,11 @@ def _unpatch() -> None:
         fn()
 
 
-def _leave() -> None:
-    global _top_level_running
+def _left_last() -> None:
+    """The last top-level governed backward running ended with nothing
+    installed: NOTE [ The patch outlives remove() until the backward ends ]."""
     with _patch_lock:
-        _top_level_running -= 1
-        if (_top_level_running == 0 and _snapshot.installed is None
-                and torch.autograd.backward is governed_backward):
+        if not _top_level_running and _snapshot.installed is None and torch.autograd.backward is governed_backward:
             _unpatch()
 
 
@@ -177,32 +179,52 @@ def governed_backward(
     observers = _observation.ACTIVE.observers
     if observers:
         return observers[-1](_govern_if_installed, call)  # (graphscale.audit: it runs it once)
-    return _govern_if_installed(call)
+    state = _snapshot.installed  # (_govern_if_installed, inline: one Python call fewer per backward)
+    if state is None or call.roots is None:
+        return _ungoverned(call)
+    return govern(call, state, None)
 
 
 def _govern_if_installed(call: BackwardCall) -> None:
     """The top-level backward ``call`` governed by the installed snapshot, or
     run as torch would where none is installed any more."""
     state = _snapshot.installed
-    if state is None or call.roots is None:  # removed meanwhile, or malformed: torch raises its own error
-        with _sharing.hold(False):  # (a backward begun before remove() may still hook)
-            return call.run(None)
+    if state is None or call.roots is None:
+        return _ungoverned(call)
     return govern(call, state, None)
+
+
+def _ungoverned(call: BackwardCall) -> None:
+    """``call`` run as torch would: nothing is installed any more (removed
+    meanwhile), or the call is malformed (torch raises its own error)."""
+    with _sharing.hold(False):  # (a backward begun before remove() may still hook)
+        return call.run(None)
 
 
 def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
     """The top-level backward ``call`` governed by ``state``: through the
     native route (the loaded native module, or ``native``: the self-test's)
     where it takes it, else through the Python route."""
-    global _top_level_running
     laps = _observation.laps() if _observation.ACTIVE.phases else None
-    with _patch_lock:  # one more top-level backward runs (_leave: one fewer)
-        _top_level_running += 1
+    _top_level_running.append(None)  # one more top-level backward runs
     try:
-        with _frames.open_frame(laps) as frame:  # NOTE [ A backward that raised ] in frames.py
+        frame = _frames.Frame(laps)  # NOTE [ A backward that raised ] in frames.py
+        raised: BaseException | None = None
+        try:
             reading = state.read(frame.scaling)  # may raise: nothing touched yet
             if _route.govern_natively(call, reading, frame, native):
                 return None  # NOTE [ One native call per backward ] in _native/registry.h
             return _python_route.govern_in_python(call, reading, frame)
+        except BaseException as exc:
+            raised = exc
+            raise
+        finally:
+            if raised is None:
+                frame.stack.pop()  # (close() without its call: the usual end)
+            else:
+                frame.close(raised)
+                raised = None  # (no cycle through this frame)
     finally:
-        _leave()
+        _top_level_running.pop()
+        if not _top_level_running and _snapshot.installed is None:
+            _left_last()

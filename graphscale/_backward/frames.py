@@ -2,7 +2,7 @@
 own backward call (:func:`adapter_backward`: whether factors apply, what the
 seeds carry already, the caller; DeepSpeed's ``engine.backward`` is one), and
 the :class:`Frame` of each top-level
-governed backward (:class:`open_frame`), with the list of what completes its
+governed backward, with the list of what completes its
 engines' part if it raises.  Imports nothing of graphscale.
 
 # NOTE [ A backward that raised ]
@@ -34,7 +34,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-__all__ = ["CARRIES_ATTR", "Frame", "open_frame", "innermost", "adapter_backward", "adapter_backward_frame",
+__all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_backward_frame",
            "adapter_backward_caller", "scaling_enabled", "compiled_autograd_active"]
 
 # A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
@@ -115,11 +115,16 @@ class Frame:
     (``compiled``), the list NOTE [ A backward that raised ] runs
     (``on_failure``), and its lap clock (``laps``, or None).
 
-    ``with open_frame(laps) as frame:`` around the backward on this thread:
-    on an exception, runs what was appended to ``frame.on_failure``, then
-    lets it go on.  One object, made once per backward."""
+    Made on the thread that runs the backward, once per backward, and
+    ``on_failure`` is on that thread's stack (:func:`innermost`) from then
+    until :meth:`close`, which the governed backward calls once it ends (or,
+    where it ended without an error, pops ``stack`` itself); with the error
+    if it raised, and then everything appended to ``on_failure`` runs, in
+    order, before the error goes on.  (Not a context manager: a
+    ``with`` costs two more Python calls on every backward, and the one
+    caller, entry.govern, has its ``try`` anyway.)"""
 
-    __slots__ = ("scaling", "carries", "compiled", "on_failure", "laps")
+    __slots__ = ("scaling", "carries", "compiled", "on_failure", "laps", "stack")
 
     def __init__(self, laps: Any = None) -> None:
         stack = _local.adapter_calls
@@ -128,13 +133,13 @@ class Frame:
         ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
         self.compiled = ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
         self.on_failure: list[Callable[[], None]] = []
+        self.stack = _local.failing  # this thread's: the backward ends by popping it (close)
+        self.stack.append(self.on_failure)
 
-    def __enter__(self) -> Frame:
-        _local.failing.append(self.on_failure)
-        return self
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        _local.failing.pop()
+    def close(self, exc: BaseException | None = None) -> None:
+        """The backward ended (``exc``: with that error): off this thread's
+        stack, and on an error, what was appended to ``on_failure`` run."""
+        self.stack.pop()
         todo = self.on_failure
         if exc is None or not todo:
             return
@@ -143,12 +148,8 @@ class Frame:
             try:
                 fn()
             except Exception as err:  # the original error is the one to see; this one goes with it
-                if isinstance(exc, BaseException):
-                    exc.add_note(f"graphscale: after this error, completing an engine's backward raised too: "
-                                 f"{type(err).__name__}: {err}")
-
-
-open_frame = Frame  # ``with open_frame(laps) as frame:`` reads as what it does
+                exc.add_note(f"graphscale: after this error, completing an engine's backward raised too: "
+                             f"{type(err).__name__}: {err}")
 
 
 def innermost() -> list[Callable[[], None]]:

@@ -298,7 +298,37 @@ class Group:
         return f"{type(self).__name__}({self.name!r}, {self._spec_repr()}, params={len(self._params)})"
 
 
+_PIN, _FACTOR, _READ_SPEC = Group.pin, Group.factor, Group.read_spec
+
+
 def read_pins(groups: Iterable[Group], scaling: bool = True) -> list[float]:
     """:meth:`Group.pin` of each of ``groups``, in order, read now (what a
-    snapshot's :meth:`~graphscale._core.snapshot.State.read` asks once per backward)."""
-    return [g.pin(scaling) for g in groups]
+    snapshot's :meth:`~graphscale._core.snapshot.State.read` asks once per backward).
+
+    A ``gas=`` group's pin is read here without the three calls of
+    ``pin() -> factor() -> read_spec()`` (the same value, the same checks and
+    errors); through them for a ``factor=`` group, inside :func:`spec_reads`,
+    and where a group's type has its own ``pin``, ``factor`` or ``read_spec``
+    (or a test put one there)."""
+    if getattr(_frame, "reads", None) is not None:
+        return [g.pin(scaling) for g in groups]
+    pins = []
+    for g in groups:
+        t = type(g)
+        if g._factor is not None or t.pin is not _PIN or t.factor is not _FACTOR or t.read_spec is not _READ_SPEC:
+            pins.append(g.pin(scaling))
+            continue
+        f = 1.0
+        if scaling:
+            gas = g._gas
+            if callable(gas):  # (read_spec's callable gas, inline)
+                try:
+                    gas = gas()
+                except Exception as exc:
+                    raise _raised(exc, "gas", g.name) from exc
+                if type(gas) is not int or gas < 1:
+                    gas = _check_gas_value(gas, f"the gas callable of group {g.name!r}")
+            f = 1.0 / gas
+        scale = g._scale
+        pins.append(f if scale is None else f * float(scale()))
+    return pins

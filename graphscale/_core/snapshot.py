@@ -209,7 +209,8 @@ class State:
         nothing is touched yet."""
         state = self.ready() if self.pending else self
         pins = read_pins(state.groups, scaling)
-        return Reading(state, dict(zip(state.groups, pins)), pins)
+        # Reading(...) without its Python-level __new__ (a NamedTuple's is; this is what it does).
+        return tuple.__new__(Reading, (state, dict(zip(state.groups, pins)), pins))
 
 
 class Reading(NamedTuple):
