@@ -194,7 +194,11 @@ struct Undo {
     if (!pynode) throw py::error_already_set();
     py::tuple out(roots.size());
     for (size_t r = 0; r < roots.size(); ++r) {
-      PyObject* edge = PyObject_CallFunction(edge_type, "On", pynode.ptr(), static_cast<Py_ssize_t>(r));
+      // GradientEdge(pynode, r) as tuple.__new__(GradientEdge, (pynode, r)) makes it: what its
+      // NamedTuple __new__ does, without that Python-level call.
+      py::tuple fields = py::make_tuple(pynode, static_cast<Py_ssize_t>(r));
+      py::tuple args = py::make_tuple(fields);
+      PyObject* edge = PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(edge_type), args.ptr(), nullptr);
       if (edge == nullptr) throw py::error_already_set();
       out[r] = py::reinterpret_steal<py::object>(edge);
     }

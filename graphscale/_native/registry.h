@@ -138,6 +138,26 @@ static PyObject* current_binding() {
   return found;
 }
 
+// A Binding's fields as Python reads them (running.py's Binding has the
+// same names): in the instance's __dict__, set once when it is made, so
+// that a read is a plain attribute read, not a pybind11 property call (the
+// DeepSpeed adapter's output hooks read four of them per engine and
+// backward: graphscale/_adapters/deepspeed/hooks.py _governing).  The C++
+// side reads the struct; neither changes after this.
+static py::object exposed(py::object obj) {
+  static const char* const kNames[] = {"reading", "potential", "once", "on_failure", "reference", "state"};
+  static PyObject* names[6] = {nullptr};
+  if (names[0] == nullptr)
+    for (int k = 0; k < 6; ++k) names[k] = PyUnicode_InternFromString(kNames[k]);  // kept for the process
+  const Binding& b = obj.cast<const Binding&>();
+  py::object state = b.reading.attr("state");
+  PyObject* values[6] = {b.reading.ptr(), b.potential.ptr(), b.once.ptr(), b.on_failure.ptr(),
+                         b.reference ? Py_True : Py_False, state.ptr()};
+  for (int k = 0; k < 6; ++k)
+    if (PyObject_GenericSetAttr(obj.ptr(), names[k], values[k]) != 0) throw py::error_already_set();
+  return obj;
+}
+
 // A new Binding, joining the one of the task this thread runs inside (its
 // `once`, `on_failure` and `reference`), else with a new `once` and the
 // given `on_failure` (where None: the innermost top-level backward's on
@@ -160,7 +180,7 @@ static py::object make_binding(py::object reading, py::object potential, py::obj
     b.once = py::reinterpret_steal<py::object>(PySet_New(nullptr));
     b.on_failure = on_failure.is_none() ? registry->innermost() : on_failure;
   }
-  return py::cast(std::move(b));
+  return exposed(py::cast(std::move(b)));
 }
 
 // The registry of walked plans whose backward is running, any thread,

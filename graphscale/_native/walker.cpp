@@ -50,13 +50,9 @@ static void def_planner(py::module_& m) {
 
 // The running state's face (registry.h, bind.h, hooks.h, for_python.h).
 static void def_running(py::module_& m) {
-  py::class_<Binding>(m, "Binding", py::module_local())
-      .def_readonly("reading", &Binding::reading)
-      .def_readonly("potential", &Binding::potential)
-      .def_readonly("once", &Binding::once)
-      .def_readonly("on_failure", &Binding::on_failure)
-      .def_readonly("reference", &Binding::reference)
-      .def_property_readonly("state", [](const Binding& b) { return b.reading.attr("state"); });
+  // Its fields (reading, potential, once, on_failure, reference, state) are
+  // in each instance's __dict__ (registry.h exposed).
+  py::class_<Binding>(m, "Binding", py::module_local(), py::dynamic_attr());
   py::class_<RunningPlan>(m, "RunningPlan", py::module_local())
       .def("__enter__", [](RunningPlan& self) {})
       .def("__exit__", [](RunningPlan& self, py::args) {
