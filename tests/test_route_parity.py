@@ -71,15 +71,9 @@ class _Skewed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def Governor(self, *args: Any) -> Any:  # noqa: N802 - the native module's name
-        real = self._real.Governor(*args)
-
-        class Gov:
-            def top(self, roots: Any, grads: Any, reading: Any, *rest: Any) -> Any:
-                return real.top(roots, grads, reading._replace(factor_list=[2 * f for f in reading.factor_list]),
-                                *rest)
-
-        return Gov()
+    def top(self, gov: Any, roots: Any, grads: Any, reading: Any, *rest: Any) -> Any:
+        return self._real.top(gov, roots, grads, reading._replace(factor_list=[2 * f for f in reading.factor_list]),
+                              *rest)
 
 
 def test_the_self_test_passes_on_this_torch_and_needs_the_patch_for_its_nested_backward() -> None:

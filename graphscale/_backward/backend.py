@@ -23,7 +23,7 @@ from Python to native, never back:
   backward's registrations and bindings must be undone where they were made.
 
 The native route's one-call backward (``_backward/route.py``,
-``Governor.top``) and the Python route (``_backward/python_route.py``) are
+the native ``top``) and the Python route (``_backward/python_route.py``) are
 the two implementations of "run a governed backward"; both read and write
 the running state through this interface.
 """

@@ -20,7 +20,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 #   _core/snapshot.State.read       the factors, one per group, through
 #   _core/group.read_pins           each group's Group.pin: its gas or factor
 #                                   (and loss scale)
-#   route.govern_natively           one native call, Governor.top
+#   route.govern_natively           one native call, top (the governor)
 #                                   (_native/govern.h): decide, walk, plan,
 #                                   seeds, hooks, bind, register, then
 #   torch.autograd.backward         as torch defined it.

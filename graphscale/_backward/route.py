@@ -235,14 +235,14 @@ def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: 
             declined(why or "native walker not ready")
             return False
     assert call.grads is not None
-    # _native_call(gov.top, ...), inline: one Python call fewer on every backward.
+    # _native_call(native.top, ...), inline: one Python call fewer on every backward.
     laps = frame.laps
     debug = _log.isEnabledFor(logging.DEBUG) and not _observation.quiet()
     want = laps is not None or debug or bool(_observation.ACTIVE.walks)
     if laps:
         laps("prepare")
-    out = gov.top(call.roots, list(call.grads), reading, (call.retain_graph, call.create_graph, call.inputs_arg),
-                  frame, want)
+    out = native.top(gov, call.roots, list(call.grads), reading,
+                     (call.retain_graph, call.create_graph, call.inputs_arg), frame, want)
     if out is None and not _observation.ACTIVE.routes:
         return True  # the usual backward: governed, nothing to observe
     return _outcome(out, want, laps, debug, reading)

@@ -1,12 +1,12 @@
 // govern.h: one governed backward in one call: decide, plan, seeds, hooks,
-// bind, run the original (Governor.top, govern_nested), and the Python
+// bind, run the original (top, govern_nested), and the Python
 // route's nested plan and binding through the same code.  Python twin:
 // graphscale/_backward/python_route.py (govern_in_python, govern_nested_in_python) with
 // graphscale/_backward/decide.py decide.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
-// What Governor.top and govern_nested return when asked for stats:
+// What top and govern_nested return when asked for stats:
 // (kind: 0 left alone, 1 fast path, 2 planned; nodes walked; multiplications;
 // ns of walk+plan, seeds, hooks on, bind, hook calls, hooks off).
 enum Kind : int { kUntouched = 0, kFast = 1, kPlanned = 2 };
@@ -220,7 +220,7 @@ static void count_multiplications(const Apply& a, const Governor& g, Outcome* oc
   if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(py::cast(a.plan_owner));
 }
 
-// Governor.top: a top-level governed backward (graphscale/_backward/entry.py
+// top(governor, ...): a top-level governed backward (graphscale/_backward/entry.py
 // and python_route.py govern_in_python from the decision on).  factors: by
 // group position; frame: (scaling, what the seeds carry by default, the
 // backward's on_failure list), graphscale/_backward/frames.py.

@@ -11,7 +11,7 @@
 // NOTE [ One native call per backward ]
 // graphscale/_backward/entry.py reads the call and the factors (Python: GAS
 // may be a callable, an engine's attribute) and graphscale/_backward/route.py
-// hands the rest to one call here: Governor.top for a top-level backward,
+// hands the rest to one call here: top(governor, ...) for a top-level backward,
 // govern_nested for one called from inside a node's backward (NOTE [ Nested
 // backward ] in graphscale/_backward/entry.py).  That call decides (left
 // alone, the fast path, a plan: graphscale/_backward/decide.py decide),

@@ -90,18 +90,87 @@ static void def_running(py::module_& m) {
       .def("__exit__", [](Hold& self, py::args) { self.leave(); });
 }
 
+// NOTE [ Two entries without pybind11's dispatcher ]
+// top (a top-level governed backward) and govern_nested (one a reentrant
+// checkpoint makes per block) run once per backward.  Through pybind11 each
+// call paid its dispatcher: the function record, argument and conversion
+// vectors, the overload loop, a life-support frame, about 9k instructions of
+// the ~114k graphscale added to a tiny mixed backward (benchmarks/cost.py).
+// They are plain METH_FASTCALL functions of the module instead: positional
+// arguments checked here, a C++ exception raised as pybind11 raises it.
+static PyObject* raised_here() {  // inside a catch: the exception, as Python's error indicator
+  try {
+    throw;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (...) {
+#if PYBIND11_VERSION_HEX >= 0x020D0000
+    py::detail::try_translate_exceptions();  // the translators pybind11's dispatcher applies
+#else
+    PyErr_SetString(PyExc_RuntimeError, "graphscale: the native governed backward raised a C++ exception");
+#endif
+  }
+  return nullptr;
+}
+
+static bool positional(const char* name, const char* usage, Py_ssize_t n, Py_ssize_t want, bool types_ok) {
+  if (n == want && types_ok) return true;
+  PyErr_Format(PyExc_TypeError, "graphscale native %s(%s): got %zd argument(s) of other types", name, usage, n);
+  return false;
+}
+
+// top(governor, roots: tuple, grads: list, reading, (retain_graph, create_graph, inputs), frame, want_stats)
+static PyObject* top_entry(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!positional("top", "governor, roots: tuple, grads: list, reading, flags: tuple, frame, want_stats", n, 7,
+                  n == 7 && PyTuple_Check(args[1]) && PyList_Check(args[2]) && PyTuple_Check(args[4])))
+    return nullptr;
+  try {
+    py::detail::loader_life_support frame;  // as inside pybind11's dispatcher (casts may keep temporaries)
+    return govern_top(py::reinterpret_borrow<py::object>(args[0]), py::reinterpret_borrow<py::tuple>(args[1]),
+                      py::reinterpret_borrow<py::list>(args[2]), py::reinterpret_borrow<py::object>(args[3]),
+                      py::reinterpret_borrow<py::tuple>(args[4]), py::reinterpret_borrow<py::object>(args[5]),
+                      PyObject_IsTrue(args[6]) == 1)
+        .release()
+        .ptr();
+  } catch (...) {
+    return raised_here();
+  }
+}
+
+// govern_nested(current_node, roots: tuple, grads: list, (retain_graph, create_graph, inputs), want_stats)
+static PyObject* nested_entry(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (!positional("govern_nested", "current_node, roots: tuple, grads: list, flags: tuple, want_stats", n, 5,
+                  n == 5 && PyTuple_Check(args[1]) && PyList_Check(args[2]) && PyTuple_Check(args[3])))
+    return nullptr;
+  try {
+    py::detail::loader_life_support frame;
+    return govern_nested(args[0], py::reinterpret_borrow<py::tuple>(args[1]), py::reinterpret_borrow<py::list>(args[2]),
+                         py::reinterpret_borrow<py::tuple>(args[3]), PyObject_IsTrue(args[4]) == 1)
+        .release()
+        .ptr();
+  } catch (...) {
+    return raised_here();
+  }
+}
+
+static PyMethodDef entries[] = {
+    {"top", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(top_entry)), METH_FASTCALL,
+     "One governed top-level backward (NOTE [ One native call per backward ] in registry.h)."},
+    {"govern_nested", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(nested_entry)), METH_FASTCALL,
+     "One governed nested backward (NOTE [ Nested backward ] in graphscale/_backward/entry.py)."},
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "graphscale native walk + plan + governed backward (see graphscale/_core/plan.py NOTE [ Potentials ])";
   // module_local: the test build (tests/_seams.py) may be loaded beside this one.
   def_planner(m);
   def_running(m);
-  py::class_<Governor>(m, "Governor", py::module_local())
-      .def(py::init<py::object, int, py::object, bool, py::object>())
-      .def("top", [](py::object self, const py::tuple& roots, const py::list& grads, py::object reading,
-                     const py::tuple& flags, py::object frame, bool stats) {
-        return govern_top(self, roots, grads, reading, flags, frame, stats);
-      });
-  m.def("govern_nested", &govern_nested);
+  py::class_<Governor>(m, "Governor", py::module_local()).def(py::init<py::object, int, py::object, bool, py::object>());
+  for (PyMethodDef& def : entries) {  // NOTE [ Two entries without pybind11's dispatcher ]
+    PyObject* fn = PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
+    if (fn == nullptr) throw py::error_already_set();
+    m.attr(def.ml_name) = py::reinterpret_steal<py::object>(fn);
+  }
   torch::autograd::_initFunctionPyTypeObject(bind_node_type, "GraphscaleBindBackward", nullptr, nullptr);
   Py_INCREF(&bind_node_type);  // static: never freed
   torch::autograd::registerCppFunction(typeid(BindNode), &bind_node_type);
