@@ -92,7 +92,11 @@ class Variant(NamedTuple):
 
 
 _SAN_SUFFIX, _SAN_FLAGS = _sanitizer()
-RELEASE = Variant(MODULE_NAME, (*CFLAGS, *_SAN_FLAGS), _SAN_FLAGS, _SAN_SUFFIX)
+# -DNDEBUG in the release build, as torch builds itself: pybind11 otherwise checks that the GIL is held
+# on every reference count it changes (PyGILState_Check, ~5k instructions of a tiny governed backward,
+# benchmarks/cost.py).  The test build and the sanitizer builds keep that check and every assert.
+_NDEBUG = () if _SAN_FLAGS else ("-DNDEBUG",)
+RELEASE = Variant(MODULE_NAME, (*CFLAGS, *_NDEBUG, *_SAN_FLAGS), _SAN_FLAGS, _SAN_SUFFIX)
 SEAMS = Variant(MODULE_NAME + "_seams", (*CFLAGS, *_SAN_FLAGS, "-DGRAPHSCALE_TEST_SEAMS"), _SAN_FLAGS, _SAN_SUFFIX)
 FIX = (
     "install a C++ compiler (g++) and ninja (pip install ninja), or point {env} at a writable "
