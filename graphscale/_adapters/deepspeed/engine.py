@@ -68,9 +68,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..._backward.frames import CARRIES_ATTR, adapter_backward
+from ..._backward.frames import CARRIES_ATTR, adapter_calls
 from ..._core.errors import GraphscaleError
-from ..._core.observation import laps
+from ..._core.observation import ACTIVE, laps
 from .checks import check_engine
 from .compiled import prologue_under_compiled_autograd, refuse_compiled_autograd
 from .failed import Attempt, Drains, begin, deepspeed_recovers, discard, fail_closed, refuse_next
@@ -89,6 +89,21 @@ def _refuse_replaced(engine: Any) -> None:
             "graphscale: this engine's backward, scale, _backward_prologue, _backward_epilogue or "
             "_backward_prologue_per_tensor is already replaced on the instance (by another tool?); "
             "graphscale cannot govern it safely.")
+
+
+def _scale(adapter: Any, deepspeeds_scale: Callable[[Any], Any], read_scale: Callable[[], float]) -> Any:
+    """The engine's ``scale`` while attached: DeepSpeed's, the loss it
+    returns marked with what it carries while the adapter is active (NOTE [
+    fp16 engines ])."""
+
+    def scale(loss: torch.Tensor) -> Any:
+        carries = read_scale()
+        scaled = deepspeeds_scale(loss)
+        if adapter.active and carries != 1.0 and scaled is not loss:
+            setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]
+        return scaled
+
+    return scale
 
 
 class _EngineAdapter:
@@ -134,18 +149,25 @@ class _EngineAdapter:
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
                 return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-            refuse_compiled_autograd(engine, "graphscale: engine.backward")  # (when compiled autograd is on)
-            timed = laps()
+            ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
+            if (getattr(engine, "_is_compiled_autograd_enabled", False) or ca is not None
+                    and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)):
+                refuse_compiled_autograd(engine, "graphscale: engine.backward")
+            timed = laps() if ACTIVE.phases else None
             gas_scaled = loss / engine.gradient_accumulation_steps() if scale_wrt_gas else loss
             running = getattr(engine, "_running_engine_backward", False)
+            # adapter_backward(scale_wrt_gas, carries, (engine, loss)) without its with-block: this
+            # runs on every engine.backward.
+            frames = adapter_calls()
+            frames.append((scale_wrt_gas, read_scale(), (engine, loss)))
             try:
-                with adapter_backward(scale_wrt_gas, read_scale(), (engine, loss)):
-                    if timed:
-                        timed("adapter")
-                    deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-                    if timed:
-                        timed.skip()
+                if timed:
+                    timed("adapter")
+                deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+                if timed:
+                    timed.skip()
             finally:
+                frames.pop()
                 if sticky_flag:  # <= 0.19.5 keeps the last call's flag on the engine: keep its meaning
                     engine._scale_wrt_gas = scale_wrt_gas
                     engine._running_engine_backward = running  # (left True when its backward raised)
@@ -153,17 +175,9 @@ class _EngineAdapter:
                 timed("adapter")
             return gas_scaled
 
-        def scale(loss: torch.Tensor) -> Any:
-            assert deepspeeds_scale is not None
-            carries = read_scale()
-            scaled = deepspeeds_scale(loss)
-            if adapter.active and carries != 1.0 and scaled is not loss:
-                setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]
-            return scaled
-
         backward.__doc__ = deepspeeds_backward.__doc__
         self.backward, self.epilogue = backward, epilogue
-        self.scale = scale if deepspeeds_scale is not None else None
+        self.scale = None if deepspeeds_scale is None else _scale(self, deepspeeds_scale, read_scale)
 
     def prologue(self) -> None:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
