@@ -33,19 +33,24 @@ ENTRY = _entry.governed_backward.__code__
 NATIVE_TOP_LEVEL = [("_backward/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
                     ("_backward/frames.py", "Frame.__init__"), ("_core/snapshot.py", "State.read"),
                     ("_core/group.py", "read_pins"), ("_backward/route.py", "govern_natively")]
-NATIVE_NESTED = [("_backward/entry.py", "governed_backward"), ("_backward/route.py", "govern_nested_natively"),
-                 ("_backward/frames.py", "compiled_autograd_active")]
+# NOTE [ The native front ] (graphscale/_native/front.h): once the native route governs, a nested
+# backward goes from torch.autograd.backward (the native front) to torch's own without one Python frame
+# of graphscale's; where the front hands a nested call on, the Python entry takes it through these:
+PYTHON_ENTRY_NESTED = [("_backward/entry.py", "governed_backward"), ("_backward/route.py", "govern_nested_natively"),
+                       ("_backward/frames.py", "compiled_autograd_active")]
 
 
 def _module_of(filename: str) -> str | None:
     return filename.split("/graphscale/", 1)[1] if "/graphscale/" in filename else None
 
 
-def path_of(run: Callable[[], None]) -> list[tuple[str, str]]:
+def path_of(run: Callable[[], None], from_start: bool = False) -> list[tuple[str, str]]:
     """The modules one backward started by ``run()`` visits, in order, each
-    with the function it was entered by."""
+    with the function it was entered by (traced from the Python entry, or
+    with ``from_start`` from ``run()`` itself: the native front is no Python
+    frame)."""
     visits: list[tuple[str, str]] = []
-    state = {"on": False, "done": False}
+    state = {"on": from_start, "done": False}
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if state["done"] or event != "call":
@@ -98,7 +103,7 @@ class _Recompute(torch.autograd.Function):
         h = h.detach().requires_grad_()
         with torch.enable_grad():
             root = (ctx.block(h) * grad).sum()
-        _Recompute.traced[:] = path_of(lambda: torch.autograd.backward(root))
+        _Recompute.traced[:] = path_of(lambda: torch.autograd.backward(root), from_start=True)
         return None, h.grad
 
 
@@ -132,12 +137,25 @@ def test_a_top_level_backward_on_the_native_route_enters_six_modules_each_once(n
     assert visits == NATIVE_TOP_LEVEL, visits
 
 
-def test_a_nested_backward_on_the_native_route_enters_three_modules(native_route: None) -> None:
+def test_a_nested_backward_on_the_native_route_runs_no_python_of_graphscale(native_route: None) -> None:
     groups, a, b, c = _groups()
     x = torch.randn(4, 3, requires_grad=True)
     with graphscale.install(*groups):
+        a(x).sum().backward()  # the native route governs: the front is adopted
+        assert torch.autograd.backward is not _entry.governed_backward, "the native front was not adopted"
         b(_Recompute.apply(c, a(x))).sum().backward()
-    assert _Recompute.traced == NATIVE_NESTED, _Recompute.traced
+    assert _Recompute.traced == [], _Recompute.traced
+
+
+def test_a_nested_call_the_front_hands_on_enters_the_python_entry_then_the_native_route(
+        native_route: None) -> None:
+    groups, a, b, c = _groups()
+    x = torch.randn(4, 3, requires_grad=True)
+    with graphscale.install(*groups):
+        a(x).sum().backward()
+        with graphscale.observe.routes(lambda route, why: None):  # a route recorder: the front hands it on
+            b(_Recompute.apply(c, a(x))).sum().backward()
+    assert _Recompute.traced == PYTHON_ENTRY_NESTED, _Recompute.traced
 
 
 def test_the_python_route_re_enters_no_module_more_than_once(monkeypatch: pytest.MonkeyPatch) -> None:

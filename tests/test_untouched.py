@@ -295,7 +295,7 @@ def test_bystander_backward_is_exactly_what_it_is_without_graphscale(
     x = _data(21)
     oracle = [g * bystander.factor for g in _plain_grads(bystander.oracle, lambda m: _bystander_loss(m(x)))]
     with graphscale.install(*installed.groups, unowned=unowned):
-        assert torch.autograd.backward is _backward.governed_backward
+        assert _backward.patched()  # the Python entry, or the native front
         STYLES[style](bystander, _bystander_loss(bystander.call(x)))
         control = installed.control()
     if bystander.engine is not None:

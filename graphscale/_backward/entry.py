@@ -24,10 +24,14 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 #                                   (_native/govern.h): decide, walk, plan,
 #                                   seeds, hooks, bind, register, then
 #   torch.autograd.backward         as torch defined it.
-# A nested backward (a reentrant checkpoint's recompute):
-#   entry.governed_backward -> route.govern_nested_natively (which asks
-#   frames.compiled_autograd_active) -> govern_nested (_native/govern.h)
-#   -> torch.
+# A nested backward (a reentrant checkpoint's recompute), once the native
+# route governs: the native front, torch.autograd.backward itself, ->
+# govern_nested (_native/govern.h) -> torch, with no Python frame of
+# graphscale's (NOTE [ The native front ] in _native/front.h).  A top-level
+# call goes from the front to governed_backward (the path above), and so
+# does a nested call the front hands on (an observer is active, the route is
+# off, inputs=): entry.governed_backward -> route.govern_nested_natively
+# (which asks frames.compiled_autograd_active) -> govern_nested -> torch.
 # Where the native route declines (counted: NOTE [ Which route governs a
 # backward ] in route.py), route.govern_natively hands back and the Python
 # route runs from the reading on: python_route.govern_in_python -> decide
@@ -107,7 +111,13 @@ __all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
 # patch (when_unpatched: DeepSpeed's hook-manager descriptors), so that a
 # process where graphscale was installed and removed runs as one where it
 # never was.
+# NOTE [ The native front ] (_native/front.h): once the native route governs,
+# torch.autograd.backward is the native module's front, a C function that
+# governs reentrant checkpoints' nested backwards itself and hands every
+# other call to governed_backward; patched() knows both.
 _patch_lock = threading.Lock()
+_front: Any = None  # the native front, once adopted (_adopt_front)
+_front_tried = False  # adoption was tried (once, after the first backward the native route governed)
 # One item per top-level governed backward running now, any thread (append
 # and pop are atomic: no lock on every backward; the patch's lock is taken
 # only where the last one ends with nothing installed).
@@ -120,15 +130,31 @@ def patch(on: bool) -> None:
     original again as soon as no governed backward runs."""
     with _patch_lock:
         if on:
-            torch.autograd.backward = governed_backward
+            torch.autograd.backward = _front if _front is not None else governed_backward
             _sharing.wrap_grad(True)  # NOTE [ Hooks on shared nodes ]
-        elif not _top_level_running and torch.autograd.backward is governed_backward:
+        elif not _top_level_running and patched():
             _unpatch()
 
 
 def patched() -> bool:
-    """Whether ``torch.autograd.backward`` is the governed one now."""
-    return torch.autograd.backward is governed_backward
+    """Whether ``torch.autograd.backward`` is the governed one now (the
+    Python entry, or the native front that hands it all but nested calls)."""
+    now = torch.autograd.backward
+    return now is governed_backward or (now is _front and now is not None)
+
+
+def _adopt_front() -> None:
+    """Make the native front torch.autograd.backward from now on, where the
+    native route governs (NOTE [ The native front ] in _native/front.h).
+    Tried once, after the first backward the native route governed."""
+    global _front, _front_tried
+    with _patch_lock:
+        if _front_tried:
+            return
+        _front_tried = True
+        _front = _route.native_front(governed_backward)
+        if _front is not None and torch.autograd.backward is governed_backward:
+            torch.autograd.backward = _front
 
 
 def when_unpatched(fn: Callable[[], None]) -> None:
@@ -150,7 +176,7 @@ def _left_last() -> None:
     """The last top-level governed backward running ended with nothing
     installed: NOTE [ The patch outlives remove() until the backward ends ]."""
     with _patch_lock:
-        if not _top_level_running and _snapshot.installed is None and torch.autograd.backward is governed_backward:
+        if not _top_level_running and _snapshot.installed is None and patched():
             _unpatch()
 
 
@@ -213,6 +239,8 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
         try:
             reading = state.read(frame.scaling)  # may raise: nothing touched yet
             if _route.govern_natively(call, reading, frame, native):
+                if not _front_tried and native is None:
+                    _adopt_front()  # NOTE [ The native front ] in _native/front.h
                 return None  # NOTE [ One native call per backward ] in _native/registry.h
             return _python_route.govern_in_python(call, reading, frame)
         except BaseException as exc:

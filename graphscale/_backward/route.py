@@ -20,7 +20,8 @@ runs every backward through it, with the native walker's plans;
 #   "GRAPHSCALE_ROUTE=python"  the environment (or a test) asked for Python;
 #   "native walker not ready"  still building, or failed (NOTE [ No backward
 #                              waits for a compiler ] in _native/__init__.py);
-#   "self-test failed"         NOTE [ The native route's self-test ] below;
+#   "self-test failed"         NOTE [ The native route's self-test ] in
+#                              _backward/selftest.py;
 #   "compiled autograd"        torch's compiled autograd is on (its own
 #                              _enable, torch._dynamo.config.compiled_autograd
 #                              under torch.compile, or DeepSpeed's
@@ -44,30 +45,12 @@ runs every backward through it, with the native walker's plans;
 #                              nested in a plan the Python route made for
 #                              that many).
 # Declines cost the native route nothing: a native backward counts nothing.
-#
-# NOTE [ The native route's self-test ]
-# The native route is a second implementation of the governed backward, built
-# against whichever torch the user runs.  Before it governs anything (at
-# install when the build is cached, else at the first backward after the
-# background build lands) it runs a tiny fixed program through both routes
-# and plain PyTorch: two groups (GAS 2 and 4) in a mixed graph, the fast
-# path, each with a reentrant checkpoint (a nested backward) and an unowned
-# Parameter.  Power-of-two factors make the governed gradients exact
-# multiples of the plain ones, so both routes must match plain x factor bit
-# for bit.  A mismatch, or an exception from the native route, switches the
-# native route off for the process with ONE warning naming torch's version
-# and the failing piece; every backward then takes the Python route
-# (reason "self-test failed").  About 5 ms, once per process (measured),
-# plus what the process's first governed backward pays anyway: torch's check
-# of a given seed imports sympy on first use (~0.6 s, torch's own).  The
-# Python route's half also runs alone at the first install() of every
-# process, native walker or not; where it fails, install() is refused
-# (_selftest.require_python_route, NOTE [ Newer releases ] in _core/releases.py).
 """
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -89,7 +72,7 @@ from .native_backend import native_owners
 from .unreached import warn_unreached_groups
 
 __all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "nested_governor",
-           "govern_natively", "govern_nested_natively", "trusted", "self_test", "register_self_test"]
+           "govern_natively", "govern_nested_natively", "native_front", "trusted", "self_test", "register_self_test"]
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 enabled = os.environ.get(ROUTE_ENV, "native").strip().lower() != "python"  # tests switch it too
@@ -288,6 +271,23 @@ def govern_nested_natively(tensors: Any, grad_tensors: Any, retain_graph: bool |
     laps = _observation.laps(nested=True) if _observation.ACTIVE.phases else None
     return _native_call(native.govern_nested, (current_node, roots, grads, (retain_graph, create_graph, None)), laps,
                         None)
+
+
+def native_front(python_entry: Callable[..., None]) -> Any:
+    """The native module's ``front`` (NOTE [ The native front ] in
+    _native/front.h), configured to hand what it does not take to
+    ``python_entry``; or None while the native route does not govern (the
+    running state is not in a module that passed its self-test, or the
+    route is off)."""
+    native = _running.state.module
+    if native is None or native is not _passed or not enabled or _here.python:
+        return None
+    # What the front's gate reads on every call: this module's `enabled`, where the running state is,
+    # python_only's flag, the active
+    # recorders, and the logger's level cache (logging clears it in place when a level changes).
+    native.configure_front(python_entry, sys.modules[__name__], _running, _here, _observation.ACTIVE,
+                           getattr(_log, "_cache", None))
+    return native.front
 
 
 # ---------------------------------------------------------------- the self-test's verdict

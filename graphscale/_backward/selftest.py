@@ -1,9 +1,27 @@
-"""NOTE [ The native route's self-test ] (in _backward/route.py): a tiny fixed
+"""NOTE [ The native route's self-test ]: a tiny fixed
 program through both routes and plain PyTorch.  Above the governed backward
 (it runs both of its routes); registered at import through
 ``route.register_self_test``.  The Python route's half runs on its own at
 the first install() of a process (``require_python_route``, NOTE [ Newer
 releases ] in _core/releases.py)."""
+# NOTE [ The native route's self-test ]
+# The native route is a second implementation of the governed backward, built
+# against whichever torch the user runs.  Before it governs anything (at
+# install when the build is cached, else at the first backward after the
+# background build lands) it runs a tiny fixed program through both routes
+# and plain PyTorch: two groups (GAS 2 and 4) in a mixed graph, the fast
+# path, each with a reentrant checkpoint (a nested backward) and an unowned
+# Parameter.  Power-of-two factors make the governed gradients exact
+# multiples of the plain ones, so both routes must match plain x factor bit
+# for bit.  A mismatch, or an exception from the native route, switches the
+# native route off for the process with ONE warning naming torch's version
+# and the failing piece; every backward then takes the Python route
+# (reason "self-test failed").  About 5 ms, once per process (measured),
+# plus what the process's first governed backward pays anyway: torch's check
+# of a given seed imports sympy on first use (~0.6 s, torch's own).  The
+# Python route's half also runs alone at the first install() of every
+# process, native walker or not; where it fails, install() is refused
+# (_selftest.require_python_route, NOTE [ Newer releases ] in _core/releases.py).
 from __future__ import annotations
 
 import threading

@@ -289,14 +289,14 @@ static Request nested_request(const Enclosing& e, py::object* gov_obj) {
 // A backward called from inside `current`'s backward (NOTE [ Nested
 // backward ] in graphscale/_backward/entry.py; plan_nested then the Python
 // route's plan step, natively).
-static py::object govern_nested(py::handle current, const py::tuple& roots, const py::list& grads,
-                                const py::tuple& flags, bool want_stats) {
+static py::object govern_nested(Node* current, const py::tuple& roots, const py::list& grads, const py::tuple& flags,
+                                bool want_stats) {
   if (registry == nullptr) return declined("native walker not ready");
   Outcome oc;
   Apply a;
   if (!a.call.read(roots, grads, flags)) return declined("call");
   auto t0 = Clock_::now();
-  const Enclosing e = find_enclosing(node_of(current.ptr()));
+  const Enclosing e = find_enclosing(current);
   if (e.kind == Enclosing::kPython) return declined("factors");
   if (e.kind == Enclosing::kNone) {  // ungoverned (or left alone): untouched, unbound
     call_original(roots, grads, a.call.retain_graph, a.call.create_graph, a.call.inputs);

@@ -13,7 +13,9 @@
 // may be a callable, an engine's attribute) and graphscale/_backward/route.py
 // hands the rest to one call here: top(governor, ...) for a top-level backward,
 // govern_nested for one called from inside a node's backward (NOTE [ Nested
-// backward ] in graphscale/_backward/entry.py).  That call decides (left
+// backward ] in graphscale/_backward/entry.py; once the native route
+// governs, torch.autograd.backward is this module's front, which calls
+// govern_nested itself: NOTE [ The native front ] in front.h).  That call decides (left
 // alone, the fast path, a plan: graphscale/_backward/decide.py decide),
 // walks and plans, scales the seeds, puts each edge multiplier on its node as
 // a C++ FunctionPostHook (ScaleHook: no Python when it fires), binds the

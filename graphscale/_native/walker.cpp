@@ -23,6 +23,7 @@
 #include "bind.h"
 #include "hooks.h"
 #include "govern.h"
+#include "front.h"
 #include "for_python.h"
 
 // The planner's face (plan.h, probe.h): what the Python route and the tests
@@ -77,6 +78,7 @@ static void def_running(py::module_& m) {
   m.def("running", &running_entries);
   m.def("enclosing_phi", &enclosing_phi);
   m.def("nested_plan", &nested_plan);
+  m.def("configure_front", &configure_front);
   py::class_<Bound>(m, "Bound", py::module_local())
       .def("__enter__", [](Bound& self) { return self.roots; })
       .def("__exit__", [](Bound& self, py::args) {
@@ -144,8 +146,9 @@ static PyObject* nested_entry(PyObject*, PyObject* const* args, Py_ssize_t n) {
     return nullptr;
   try {
     py::detail::loader_life_support frame;
-    return govern_nested(args[0], py::reinterpret_borrow<py::tuple>(args[1]), py::reinterpret_borrow<py::list>(args[2]),
-                         py::reinterpret_borrow<py::tuple>(args[3]), PyObject_IsTrue(args[4]) == 1)
+    return govern_nested(node_of(args[0]), py::reinterpret_borrow<py::tuple>(args[1]),
+                         py::reinterpret_borrow<py::list>(args[2]), py::reinterpret_borrow<py::tuple>(args[3]),
+                         PyObject_IsTrue(args[4]) == 1)
         .release()
         .ptr();
   } catch (...) {
@@ -153,11 +156,33 @@ static PyObject* nested_entry(PyObject*, PyObject* const* args, Py_ssize_t n) {
   }
 }
 
+// front(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
+// torch.autograd.backward while the native route governs (NOTE [ The native front ] in front.h).
+static PyObject* front_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (front_state == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "graphscale: the native front was called before configure_front");
+    return nullptr;
+  }
+  const auto current = torch::autograd::get_current_node();  // (the running node: alive meanwhile)
+  if (current && registry != nullptr) {  // else a top-level backward: the Python entry reads its factors
+    try {
+      py::detail::loader_life_support frame;
+      if (front_governs(raw(current), args, nargs, kwnames)) Py_RETURN_NONE;
+    } catch (...) {
+      return raised_here();
+    }
+  }
+  return PyObject_Vectorcall(front_state->python.ptr(), args, nargs, kwnames);
+}
+
 static PyMethodDef entries[] = {
     {"top", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(top_entry)), METH_FASTCALL,
      "One governed top-level backward (NOTE [ One native call per backward ] in registry.h)."},
     {"govern_nested", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(nested_entry)), METH_FASTCALL,
      "One governed nested backward (NOTE [ Nested backward ] in graphscale/_backward/entry.py)."},
+    {"front", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(front_entry)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "torch.autograd.backward while the native route governs (NOTE [ The native front ] in front.h)."},
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -166,6 +191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_planner(m);
   def_running(m);
   py::class_<Governor>(m, "Governor", py::module_local()).def(py::init<py::object, int, py::object, bool, py::object>());
+  this_module = m.ptr();  // (front.h: is the running state in this module?)
   for (PyMethodDef& def : entries) {  // NOTE [ Two entries without pybind11's dispatcher ]
     PyObject* fn = PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
     if (fn == nullptr) throw py::error_already_set();
