@@ -283,8 +283,7 @@ def native_front(python_entry: Callable[..., None]) -> Any:
     if native is None or native is not _passed or not enabled or _here.python:
         return None
     # What the front's gate reads on every call: this module's `enabled`, where the running state is,
-    # python_only's flag, the active
-    # recorders, and the logger's level cache (logging clears it in place when a level changes).
+    # python_only's flag, the active recorders, and the logger's level cache (cleared in place on setLevel).
     native.configure_front(python_entry, sys.modules[__name__], _running, _here, _observation.ACTIVE,
                            getattr(_log, "_cache", None))
     return native.front

@@ -152,18 +152,21 @@ static bool front_roots(PyObject* tensors, PyObject* grad_tensors, py::tuple* ro
   } else {
     return false;
   }
+  if (!*roots) throw py::error_already_set();  // (PyList_AsTuple out of memory)
   const Py_ssize_t n = static_cast<Py_ssize_t>(roots->size());
-  if (grad_tensors == nullptr || grad_tensors == Py_None) {
-    *grads = py::reinterpret_steal<py::list>(PyList_New(n));
-    for (Py_ssize_t i = 0; i < n; ++i) PyList_SET_ITEM(grads->ptr(), i, Py_NewRef(Py_None));
-  } else if (PyTuple_CheckExact(grad_tensors) || PyList_CheckExact(grad_tensors)) {
-    *grads = py::reinterpret_steal<py::list>(PySequence_List(grad_tensors));
-  } else if (THPVariable_Check(grad_tensors)) {
-    *grads = py::reinterpret_steal<py::list>(PyList_New(1));
-    PyList_SET_ITEM(grads->ptr(), 0, Py_NewRef(grad_tensors));
+  const bool one = grad_tensors != nullptr && grad_tensors != Py_None && !PyTuple_CheckExact(grad_tensors) &&
+                   !PyList_CheckExact(grad_tensors);
+  if (one && !THPVariable_Check(grad_tensors)) return false;
+  PyObject* list = nullptr;
+  if (grad_tensors == nullptr || grad_tensors == Py_None || one) {
+    list = PyList_New(one ? 1 : n);  // [None] * n, or [grad_tensors]
+    for (Py_ssize_t i = 0; list != nullptr && i < PyList_GET_SIZE(list); ++i)
+      PyList_SET_ITEM(list, i, Py_NewRef(one ? grad_tensors : Py_None));
   } else {
-    return false;
+    list = PySequence_List(grad_tensors);
   }
+  if (list == nullptr) throw py::error_already_set();  // (out of memory)
+  *grads = py::reinterpret_steal<py::list>(list);
   return true;
 }
 
