@@ -5,13 +5,15 @@ entry, and exactly; a call it does not read (``inputs=``) or one an observer
 must see (the DEBUG log) goes on to the Python entry, exactly too."""
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 from typing import Any
 
 import pytest
 import torch
-from conftest import native_route_or_skip
+from conftest import full_grads, native_route_or_skip
+from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import observe
@@ -134,3 +136,47 @@ def test_a_debug_log_sees_each_nested_backward_the_front_would_take(caplog: pyte
             _run("tuple", modules, x)
     assert _Styled.entered == [True], "the front governed a nested backward the DEBUG log must see"
     assert any(", nested" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+class _CheckpointedLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.lin, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+
+@pytest.mark.deepspeed
+def test_a_deepspeed_engines_checkpointed_block_is_governed_by_the_front_exactly(make_engine: Any) -> None:
+    native_route_or_skip()
+    adopt = torch.nn.Linear(2, 2)
+    with graphscale.install(graphscale.Group(adopt, gas=2)):
+        adopt(torch.randn(1, 2)).sum().backward()  # the native route governs: the front is adopted
+    torch.manual_seed(0)
+    blocks, head = _CheckpointedLinear(), torch.nn.Linear(4, 1)
+    critic, actor = make_engine(copy.deepcopy(blocks), gas=2, stage=1), make_engine(copy.deepcopy(head), gas=4, stage=1)
+    x = torch.randn(8, 4, requires_grad=True)
+    head(torch.tanh(blocks(x))).mean().backward()
+    plain = [p.grad.clone() for m in (blocks, head) for p in m.parameters()]  # type: ignore[union-attr]
+    calls = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is ENTRY:
+            calls.append(frame.f_code.co_name)
+
+    with graphscale.install(critic, actor):
+        assert torch.autograd.backward is not _entry.governed_backward, "the native front was not adopted"
+        for engine in (critic, actor):
+            engine.set_gradient_accumulation_boundary(True)  # (the gradients readable after one backward)
+        loss = actor(torch.tanh(critic(x))).mean()
+        sys.setprofile(profile)
+        try:
+            critic.backward(loss)
+        finally:
+            sys.setprofile(None)
+        got = full_grads(critic) + full_grads(actor)
+    factors = [1 / 2] * 2 + [1 / 4] * 2
+    bad = [i for i, (g, p, f) in enumerate(zip(got, plain, factors)) if not torch.equal(g, p * f)]
+    assert not bad, f"parameters {bad} differ from plain x factor"
+    assert len(calls) == 1, f"the Python entry ran {len(calls)} times: the checkpoint's nested call went through it"
