@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
     ap.add_argument("--baseline", type=Path, default=gate.BASELINE, help="the baseline file (default %(default)s)")
     ap.add_argument("--calls-only", action="store_true",
                     help="count Python calls only (no valgrind; not with --update)")
+    ap.add_argument("--cases", metavar="ID,...", type=lambda v: tuple(x for x in v.split(",") if x),
+                    help="measure these cases only (a quicker look while working; not with --update)")
     ap.add_argument("--json", metavar="PATH", help="write this run's figures to PATH")
     ap.add_argument("--raw", metavar="DIR", type=Path,
                     help="keep callgrind's files (one per counted backward) under DIR, for callgrind_annotate")
@@ -59,6 +61,14 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
     args = ap.parse_args(argv)
     if args.update and args.calls_only:
         ap.error("--update measures instructions too: drop --calls-only")
+    if args.update and args.cases:
+        ap.error("--update measures every case: drop --cases")
+    if args.cases:
+        from .counts import CASE_IDS
+
+        unknown = [c for c in args.cases if c not in CASE_IDS]
+        if unknown:
+            ap.error(f"--cases: no case {', '.join(unknown)}; the cases are {', '.join(CASE_IDS)}")
     if args.runs is not None and args.runs < 1:
         ap.error("--runs must be at least 1")
     return args
@@ -73,13 +83,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(kind: str, work: Path) -> dict[str, Any]:
+def run_child(kind: str, work: Path, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """One measuring process (under callgrind for "instructions"); its JSON,
     and for instructions ``parts``: callgrind's count of each counted backward."""
     from . import region
 
     out = work / f"{kind}.json"
     cmd = [sys.executable, str(SCRIPT), "--child", kind, "--out", str(out)]
+    if only:
+        cmd += ["--cases", ",".join(only)]
     if kind == "instructions":
         cg_out = work / "callgrind.out"
         cmd = [*region.callgrind_command(cg_out, instrument_late=region.Region().can_instrument), *cmd]
@@ -101,7 +113,7 @@ def run_child(kind: str, work: Path) -> dict[str, Any]:
     return result
 
 
-def measure(runs: int, calls_only: bool, raw: Path | None) -> dict[str, Any]:
+def measure(runs: int, calls_only: bool, raw: Path | None, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """``runs`` runs of each kind; per case the combined figures
     (:func:`gate.combine`), nodes, route; and the wall time."""
     kinds = ("calls",) if calls_only else ("calls", "instructions")
@@ -113,7 +125,7 @@ def measure(runs: int, calls_only: bool, raw: Path | None) -> dict[str, Any]:
             t = time.perf_counter()
             work = Path(tempfile.mkdtemp(prefix=f"gs-cost-{kind}-"))
             try:
-                result = run_child(kind, work)
+                result = run_child(kind, work, only)
                 if raw is not None and kind == "instructions":
                     shutil.copytree(work, raw / f"run{n + 1}", dirs_exist_ok=True)
             finally:
@@ -241,7 +253,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     if args.child:
         from .counts import child_main
 
-        return child_main(args.child, args.out)
+        return child_main(args.child, args.out, args.cases or ())
     from . import region
 
     if not args.calls_only and region.valgrind() is None:
@@ -250,7 +262,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         return 2
     runs = args.runs or (2 if args.update else 1)
     try:
-        measured = measure(runs, args.calls_only, args.raw)
+        measured = measure(runs, args.calls_only, args.raw, args.cases or ())
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -157,17 +157,18 @@ def _arm(case: Case, spec: CaseSpec, governed: bool, region: Any) -> dict[str, A
     return out
 
 
-def measure(kind: str, device: str = "cpu") -> dict[str, Any]:
+def measure(kind: str, device: str = "cpu", only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Every case, both arms; ``kind`` "instructions" (each counted backward
     inside the counted region: callgrind writes one file per backward, and
     ``regions`` says, in order, which case and arm each was) or "calls"
     (``calls_without``, ``calls_with``: per counted backward).  Returns what
-    the parent process reads (JSON-able)."""
+    the parent process reads (JSON-able).  ``only``: these cases alone
+    (all where empty)."""
     from .region import Region
 
     region = Region() if kind == "instructions" else None
     specs = {s.id: s for s in SPECS}
-    built = cases(device)
+    built = {cid: case for cid, case in cases(device).items() if not only or cid in only}
     result: dict[str, Any] = {"regions": [], "cases": {
         cid: {"nodes": count_nodes(case.make()), "reps": specs[cid].reps} for cid, case in built.items()}}
     gc.collect()
@@ -196,14 +197,14 @@ def measure(kind: str, device: str = "cpu") -> dict[str, Any]:
     return result
 
 
-def child_main(kind: str, out_path: str) -> int:
+def child_main(kind: str, out_path: str, only: tuple[str, ...] = ()) -> int:
     """``benchmarks/cost.py --child KIND --out PATH``: measure, write JSON."""
     from . import env
 
     if not env.setup("cpu", threads=1):
         return 2
     walker = env.wait_for_walker()
-    result = measure(kind)
+    result = measure(kind, only=only)
     result["walker"] = walker
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
