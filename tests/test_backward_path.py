@@ -28,7 +28,9 @@ from graphscale._backward import call as _call
 from graphscale._backward import entry as _entry
 from graphscale._backward import route as _route
 
-ORIGINAL = _call.ORIGINAL_BACKWARD.__code__
+# torch reached: its torch.autograd.backward, or (NOTE [ Straight to the engine ] in
+# graphscale/_native/engine.h) its engine call, which a plain governed backward calls itself
+TORCH = (_call.ORIGINAL_BACKWARD.__code__, torch.autograd.graph._engine_run_backward.__code__)
 ENTRY = _entry.governed_backward.__code__
 NATIVE_TOP_LEVEL = [("_backward/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
                     ("_backward/frames.py", "Frame.__init__"), ("_core/snapshot.py", "State.read"),
@@ -60,7 +62,7 @@ def path_of(run: Callable[[], None], from_start: bool = False) -> list[tuple[str
             state["on"] = True
         if not state["on"]:
             return
-        if code is ORIGINAL:
+        if code in TORCH:
             state["done"] = True
             return
         module = _module_of(code.co_filename)
@@ -75,7 +77,7 @@ def path_of(run: Callable[[], None], from_start: bool = False) -> list[tuple[str
         run()
     finally:
         sys.setprofile(None)
-    assert state["done"], "torch's own backward never ran: nothing was traced"
+    assert state["done"], "torch's backward never ran (neither torch.autograd.backward nor its engine call)"
     return visits
 
 

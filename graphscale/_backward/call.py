@@ -14,9 +14,12 @@ from torch.autograd.graph import GradientEdge
 
 from .._core.observation import Laps
 from . import running as _running
+from .overrides import overridable, own
 from .sharing import ORIGINAL_BACKWARD
 
 __all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize"]
+
+_OWN_BACKWARD = own(ORIGINAL_BACKWARD, "backward")  # NOTE [ An override sees torch's own backward ]
 
 
 def materialize(arg: Any) -> Any:
@@ -97,7 +100,8 @@ class BackwardCall(NamedTuple):
         if binding is None or self.roots is None:
             if laps:
                 laps("bind")  # nothing to bind: the lap closes what came before, as below
-            ORIGINAL_BACKWARD(
+            original = _OWN_BACKWARD if overridable(self.tensors, self.inputs_arg) else ORIGINAL_BACKWARD
+            original(
                 self.tensors, self.grad_tensors if seeds is None else seeds, self.retain_graph, self.create_graph,
                 grad_variables=self.grad_variables, inputs=self.inputs_arg,
             )
@@ -109,6 +113,7 @@ class BackwardCall(NamedTuple):
         with _running.bound(self.roots, binding) as roots:
             if laps:
                 laps("bind")
-            ORIGINAL_BACKWARD(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
+            original = _OWN_BACKWARD if overridable(roots, self.inputs_arg) else ORIGINAL_BACKWARD
+            original(roots, list(grads), self.retain_graph, self.create_graph, inputs=self.inputs_arg)
             if laps:
                 laps.skip()

@@ -23,7 +23,10 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 #   route.govern_natively           one native call, top (the governor)
 #                                   (_native/govern.h): decide, walk, plan,
 #                                   seeds, hooks, bind, register, then
-#   torch.autograd.backward         as torch defined it.
+#   torch's engine                  straight, where the call is plain (NOTE
+#                                   [ Straight to the engine ] in
+#                                   _native/engine.h), else through
+#                                   torch.autograd.backward as torch defined it.
 # A nested backward (a reentrant checkpoint's recompute), once the native
 # route governs: the native front, torch.autograd.backward itself, ->
 # govern_nested (_native/govern.h) -> torch, with no Python frame of

@@ -19,6 +19,7 @@ from .._core.request import PlanRequest
 from .._core.snapshot import State
 from .._core.walk import root_node
 from .backend import Plan
+from .overrides import own
 
 __all__ = ["NativeBackend", "of", "native_owners"]
 
@@ -66,9 +67,11 @@ class NativeBackend:
         routes ] in _native/registry.h): the graph task -> binding map both
         kinds of binding write, torch's own ``torch.autograd.backward``, the
         function giving this thread's top-level on_failure list, and the
-        attribute a root's carried factor is tagged with."""
+        attribute a root's carried factor is tagged with; and that backward's
+        twin for calls an override sees (NOTE [ An override sees torch's own
+        backward ] in _backward/overrides.py)."""
         self.module.configure(by_task, original_backward, torch.nn.Parameter, torch.nn.Module, carries_attr,
-                              innermost)
+                              innermost, own(original_backward, "backward"))
 
     def probe(self, roots: Sequence[Any], state: State) -> int:
         return int(self.module.probe(tuple(roots), native_owners(state, self.module), state.policy_index,

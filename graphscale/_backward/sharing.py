@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from .overrides import overridable, own
+
 __all__ = ["hold", "use_native", "governed_grad", "wrap_grad", "ORIGINAL_GRAD", "ORIGINAL_BACKWARD"]
 
 ORIGINAL_GRAD: Callable[..., Any] = torch.autograd.grad
@@ -120,20 +122,24 @@ def use_native(module: Any, switch: Callable[[], None]) -> bool:
 
 
 _grad_before: Callable[..., Any] = ORIGINAL_GRAD  # what torch.autograd.grad was when wrap_grad() ran
+_grad_own: Callable[..., Any] = own(ORIGINAL_GRAD, "grad")  # its twin (NOTE [ An override sees torch's own backward ])
 
 
 @functools.wraps(ORIGINAL_GRAD)
 def governed_grad(*args: Any, **kwargs: Any) -> Any:  # noqa: D103 - torch's docstring (wraps)
     with hold(False):
+        if overridable(*args[:2], kwargs.get("outputs"), kwargs.get("inputs")):
+            return _grad_own(*args, **kwargs)
         return _grad_before(*args, **kwargs)
 
 
 def wrap_grad(on: bool) -> None:
     """Make ``torch.autograd.grad`` :func:`governed_grad` around whatever it
     is now (``on``: another library's wrapper stays inside), or put that back."""
-    global _grad_before
+    global _grad_before, _grad_own
     if on and torch.autograd.grad is not governed_grad:
         _grad_before = torch.autograd.grad
+        _grad_own = own(_grad_before, "grad")
         torch.autograd.grad = governed_grad
     elif not on and torch.autograd.grad is governed_grad:
         torch.autograd.grad = _grad_before

@@ -1,5 +1,5 @@
 // govern.h: one governed backward in one call: decide, plan, seeds, hooks,
-// bind, run the original (top, govern_nested), and the Python
+// bind, run torch (top, govern_nested), and the Python
 // route's nested plan and binding through the same code.  Python twin:
 // graphscale/_backward/python_route.py (govern_in_python, govern_nested_in_python) with
 // graphscale/_backward/decide.py decide.
@@ -44,16 +44,6 @@ static bool scaled_seeds(const py::tuple& roots, const py::list& grads, const st
     out->append(py::reinterpret_steal<py::object>(THPVariable_Wrap(THPVariable_Unpack(g.ptr()).mul(mults[r]))));
   }
   return true;
-}
-
-// torch.autograd.backward as torch defined it, called positionally (tensors,
-// grad_tensors, retain_graph, create_graph, grad_variables=None, inputs).
-static void call_original(py::handle roots, py::handle seeds, py::handle retain, py::handle create,
-                          py::handle inputs) {
-  PyObject* args[6] = {roots.ptr(), seeds.ptr(), retain.ptr(), create.ptr(), Py_None, inputs.ptr()};
-  PyObject* out = PyObject_Vectorcall(registry->original.ptr(), args, 6, nullptr);
-  if (out == nullptr) throw py::error_already_set();
-  Py_DECREF(out);
 }
 
 // Root nodes of a call, kept alive, and the call's flags (retain_graph,
@@ -128,7 +118,7 @@ static void run_applied(Apply& a, Outcome* oc) {
   py::tuple roots = a.call.roots;
   if (!a.binding.is_none()) roots = undo.bind_roots(a.call.roots, std::move(a.binding));
   oc->ns[3] = ns_since(t0);
-  call_original(roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
+  call_torch(a.call.roots, roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
   oc->ns[4] = undo.hook_ns->load();
 }
 
@@ -299,7 +289,7 @@ static py::object govern_nested(Node* current, const py::tuple& roots, const py:
   const Enclosing e = find_enclosing(current);
   if (e.kind == Enclosing::kPython) return declined("factors");
   if (e.kind == Enclosing::kNone) {  // ungoverned (or left alone): untouched, unbound
-    call_original(roots, grads, a.call.retain_graph, a.call.create_graph, a.call.inputs);
+    call_torch(roots, roots, grads, a.call.retain_graph, a.call.create_graph, a.call.inputs);
     return want_stats ? oc.stats() : py::none();
   }
   a.reading = e.reading;

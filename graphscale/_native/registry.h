@@ -54,6 +54,8 @@ struct Registry {
   py::object param_type;   // torch.nn.Parameter
   py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
   py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
+  py::object original_own; // its twin for calls an override sees (NOTE [ An override sees torch's own
+                           // backward ] in graphscale/_backward/overrides.py)
 };
 
 // A decline: the reason (a short str) the Python route takes the backward
@@ -63,11 +65,11 @@ static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
 static void configure(py::object by_task, py::object original, py::object param_type, py::object module_type_,
-                      py::object carries_attr, py::object innermost) {
+                      py::object carries_attr, py::object innermost, py::object original_own) {
   if (registry == nullptr) registry = new Registry();
   Py_XDECREF(module_type);
   module_type = module_type_.inc_ref().ptr();
-  *registry = Registry{by_task, original, param_type, carries_attr, innermost};
+  *registry = Registry{by_task, original, param_type, carries_attr, innermost, original_own};
 }
 
 #ifdef GRAPHSCALE_TEST_SEAMS

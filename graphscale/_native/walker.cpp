@@ -22,6 +22,7 @@
 #include "registry.h"
 #include "bind.h"
 #include "hooks.h"
+#include "engine.h"
 #include "govern.h"
 #include "front.h"
 #include "for_python.h"
