@@ -80,6 +80,14 @@ def test_a_failure_names_the_case_the_baseline_the_figure_now_and_the_ratio() ->
         assert part in line, (part, line)
 
 
+def test_a_growth_from_a_baseline_of_zero_fails_with_a_message() -> None:
+    """A figure may be 0 (the large walk's Python calls once graphscale's
+    matched torch's own): a growth from it fails, and the line says so."""
+    base = {"walk": {"instructions": 1_000_000.0, "calls": 0.0}}
+    failures, _ = gate.messages(gate.compare(base, now_of(walk=(1_000_000.0, 28.0)), {}), "0123456789abcdef")
+    assert len(failures) == 1 and "from 0" in failures[0] and "Python calls" in failures[0], failures
+
+
 def test_shrinking_and_new_cases_note_the_update() -> None:
     findings = gate.compare(BASE, now_of(nested=(100_000.0, 130.0), fresh=(5.0, 1.0)), {})
     assert verdicts(findings)[("fresh", "instructions")] == "new"

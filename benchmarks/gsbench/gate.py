@@ -190,6 +190,11 @@ def margin_text(metric: str) -> str:
     return f"{RELATIVE:.0%} + {SLACK[metric]:,.0f}"
 
 
+def _times(f: Finding) -> str:
+    """The ratio now / baseline as text ("from 0" where the baseline is 0)."""
+    return "from 0" if f.ratio is None else f"{f.ratio:.3f}x"
+
+
 def messages(findings: Sequence[Finding], since: str) -> tuple[list[str], list[str]]:
     """(failures, notes): one line each, naming the case, the baseline, the
     figure now and the ratio."""
@@ -199,14 +204,14 @@ def messages(findings: Sequence[Finding], since: str) -> tuple[list[str], list[s
         if f.verdict == "grew":
             failures.append(
                 f"benchmarks/cost.py: {what} grew past the margin: baseline {f.base:,.0f} (at {since[:12]}), "
-                f"now {f.now:,.0f}, {f.ratio:.3f}x (margin {margin_text(f.metric)}).  If it is meant, say why in a "
+                f"now {f.now:,.0f}, {_times(f)} (margin {margin_text(f.metric)}).  If it is meant, say why in a "
                 f"trailer '{TRAILER}: {f.case}: <why>' on a commit after {since[:12]} and run {UPDATE}; "
                 f"else find what it added (--raw keeps callgrind's files for callgrind_annotate)")
         elif f.verdict == "explained":
-            notes.append(f"note: {what} grew, {f.base:,.0f} -> {f.now:,.0f} ({f.ratio:.3f}x), explained by "
+            notes.append(f"note: {what} grew, {f.base:,.0f} -> {f.now:,.0f} ({_times(f)}), explained by "
                          + "; ".join(f.why) + f": run {UPDATE} to make it the baseline")
         elif f.verdict == "shrank":
-            notes.append(f"note: {what} shrank, {f.base:,.0f} -> {f.now:,.0f} ({f.ratio:.3f}x): "
+            notes.append(f"note: {what} shrank, {f.base:,.0f} -> {f.now:,.0f} ({_times(f)}): "
                          f"run {UPDATE} to make it the baseline")
         elif f.verdict == "new":
             notes.append(f"note: {what}: no baseline figure (a new case): run {UPDATE}")
