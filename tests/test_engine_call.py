@@ -281,3 +281,24 @@ def test_a_wrapped_torch_autograd_backward_is_called_every_backward(tmp_path: An
     env = {k: v for k, v in os.environ.items() if k != "GRAPHSCALE_ROUTE"}
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def test_a_backward_inside_a_functorch_transform_raises_torchs_own_error() -> None:
+    native_route_or_skip()
+
+    def error() -> str:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            y = b(a(x)).sum()
+            y.backward()
+            return y
+
+        with pytest.raises(RuntimeError) as raised:
+            torch.func.grad(f)(X.clone())
+        return str(raised.value)
+
+    a, b = _modules()
+    plain = error()
+    with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(b, gas=4)):
+        _implicit(a, b)  # (the front adopted)
+        governed = error()
+    assert governed == plain and "functorch transform" in plain
