@@ -147,7 +147,8 @@ def test_check_exits_1_on_a_growth_and_0_within_the_margin(tmp_path: Path, monke
         case = {"title": "one nested", "route": "native", "nodes": 11, "instructions": instructions,
                 "instructions_without": 1_400_000.0, "instructions_spread": 0.0, "instructions_per_node": 0.0,
                 "calls": 130.0}
-        return lambda runs, calls_only, raw, only=(): {"walker": "native", "runs": 1, "wall_s": 0.0, "cases": {"nested": case}}
+        return lambda runs, calls_only, raw, only=(): {"walker": "native", "runs": 1, "wall_s": 0.0,
+                                                       "cases": {"nested": case}}
 
     monkeypatch.setattr(cost_cli, "versions", lambda: {})
     monkeypatch.setattr(region, "valgrind", lambda: "/usr/bin/valgrind")
