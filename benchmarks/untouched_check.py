@@ -1,7 +1,7 @@
 """What graphscale's check costs on the one-factor path, per backward.
 
 A backward with one factor in play first probes its graph (NOTE [ Fast path ]
-in graphscale/_backward/entry.py): under "any" until the first owned leaf, under
+in graphscale/_entry/entry.py): under "any" until the first owned leaf, under
 the default "plain_params" until an owned leaf and an unowned Parameter are
 both seen (so the whole graph when every Parameter is owned), and it plans
 instead when a custom autograd.Function (a reentrant checkpoint, ZeRO-3's

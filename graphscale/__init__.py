@@ -15,9 +15,9 @@ any graph and any backward style.
 from __future__ import annotations
 
 from . import observe
-from ._backward.install import Installation, install
 from ._core.errors import AuditError, ConfigurationError, GraphscaleError
 from ._core.group import Group
+from ._entry.install import Installation, install
 from ._tools.audit import Audit, audit
 from ._tools.diagnose import Diagnosis, diagnose
 from ._tools.explain import ExplainedPlan, explain

@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 import graphscale
 from graphscale import observe
-from graphscale._backward import route as _route
+from graphscale._routes import native as _route
 
 THREADS = 5
 ROUNDS = 40

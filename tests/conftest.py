@@ -60,7 +60,7 @@ def native_route_or_skip() -> Any:
     """The native module, where the native route governs backwards here;
     else the test is skipped (GRAPHSCALE_ROUTE=python, or no native walker)."""
     from graphscale import _native
-    from graphscale._backward import route as _route
+    from graphscale._routes import native as _route
 
     native = _native.wait()
     if native is None or not _route.enabled:
@@ -70,9 +70,9 @@ def native_route_or_skip() -> Any:
 
 @pytest.fixture
 def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every backward of the test takes the Python route (``graphscale/_backward/route.py``):
+    """Every backward of the test takes the Python route (``graphscale/_routes/native.py``):
     for tests that spy on or break that route's own functions."""
-    from graphscale._backward import route as _route
+    from graphscale._routes import native as _route
 
     monkeypatch.setattr(_route, "enabled", False)
 
@@ -81,9 +81,9 @@ def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
 def _no_installation_leaks() -> Any:
     """Every test must leave torch exactly as it found it."""
     yield
-    from graphscale._backward import entry as _backward
-    from graphscale._backward import install as _install
     from graphscale._backward import running as _running
+    from graphscale._entry import entry as _backward
+    from graphscale._entry import install as _install
 
     leaked = list(_install._installations)
     for inst in leaked:

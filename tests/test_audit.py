@@ -11,8 +11,8 @@ import torch
 from conftest import require_deepspeed
 
 import graphscale
-from graphscale._backward import python_route as _python_route
 from graphscale._core import observation as _observe
+from graphscale._routes import python as _python_route
 
 
 def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
@@ -26,7 +26,7 @@ def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
 def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planner bug: every edge multiplication applied twice over (in the
     Python route's hooks, so the route is switched to it)."""
-    from graphscale._backward import route as _route
+    from graphscale._routes import native as _route
 
     monkeypatch.setattr(_route, "enabled", False)
     real = _python_route.post_hook

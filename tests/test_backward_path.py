@@ -1,5 +1,5 @@
 """One backward, one path (NOTE [ Follow one backward ] in
-graphscale/_backward/entry.py): the graphscale modules a governed backward
+graphscale/_entry/entry.py): the graphscale modules a governed backward
 enters, in order, from the patched ``torch.autograd.backward`` to torch's own.
 
 A module is *entered* when one of its functions is called from another
@@ -25,20 +25,20 @@ from conftest import native_route_or_skip
 
 import graphscale
 from graphscale._backward import call as _call
-from graphscale._backward import entry as _entry
-from graphscale._backward import route as _route
+from graphscale._entry import entry as _entry
+from graphscale._routes import native as _route
 
 # torch reached: its torch.autograd.backward, or (NOTE [ Straight to the engine ] in
 # graphscale/_native/engine.h) its engine call, which a plain governed backward calls itself
 TORCH = (_call.ORIGINAL_BACKWARD.__code__, torch.autograd.graph._engine_run_backward.__code__)
 ENTRY = _entry.governed_backward.__code__
-NATIVE_TOP_LEVEL = [("_backward/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
+NATIVE_TOP_LEVEL = [("_entry/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
                     ("_backward/frames.py", "Frame.__init__"), ("_core/snapshot.py", "State.read"),
-                    ("_core/group.py", "read_pins"), ("_backward/route.py", "govern_natively")]
+                    ("_core/group.py", "read_pins"), ("_routes/native.py", "govern_natively")]
 # NOTE [ The native front ] (graphscale/_native/front.h): once the native route governs, a nested
 # backward goes from torch.autograd.backward (the native front) to torch's own without one Python frame
 # of graphscale's; where the front hands a nested call on, the Python entry takes it through these:
-PYTHON_ENTRY_NESTED = [("_backward/entry.py", "governed_backward"), ("_backward/route.py", "govern_nested_natively"),
+PYTHON_ENTRY_NESTED = [("_entry/entry.py", "governed_backward"), ("_routes/native.py", "govern_nested_natively"),
                        ("_backward/frames.py", "compiled_autograd_active")]
 
 
@@ -171,5 +171,5 @@ def test_the_python_route_re_enters_no_module_more_than_once(monkeypatch: pytest
     for visits in (top, nested):
         assert all(n <= 1 for n in reentered(visits).values()), visits
     assert top[:len(NATIVE_TOP_LEVEL)] == NATIVE_TOP_LEVEL, top  # the same reading, then route.py hands back
-    assert ("_backward/python_route.py", "govern_in_python") in top, top
-    assert ("_backward/python_route.py", "govern_nested_in_python") in nested, nested
+    assert ("_routes/python.py", "govern_in_python") in top, top
+    assert ("_routes/python.py", "govern_nested_in_python") in nested, nested

@@ -17,7 +17,7 @@ from conftest import require_deepspeed
 
 import graphscale
 from graphscale._adapters.deepspeed import checks as _deepspeed_checks
-from graphscale._backward import entry as _backward
+from graphscale._entry import entry as _backward
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -13,7 +13,7 @@ from conftest import HAVE_DEEPSPEED
 
 import graphscale
 from graphscale import _native
-from graphscale._backward import route as _route
+from graphscale._routes import native as _route
 from graphscale._tools import env as _env
 
 

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale._backward import entry as _backward
 from graphscale._backward import running as _running
 from graphscale._core import snapshot as _snapshot
+from graphscale._entry import entry as _backward
 
 F64 = torch.float64
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import graphscale
-from graphscale._core.walk import walk
+from graphscale._planner.walk import walk
 
 
 class Sub(torch.nn.Module):

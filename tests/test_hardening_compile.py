@@ -16,7 +16,7 @@ import torch
 from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-from graphscale._core import walk as _walk
+from graphscale._planner import walk as _walk
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 

@@ -20,7 +20,7 @@ import torch
 from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
-from graphscale._backward import entry as _backward
+from graphscale._entry import entry as _backward
 
 
 @contextmanager

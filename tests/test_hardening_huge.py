@@ -23,10 +23,10 @@ import torch.utils.hooks
 from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
 import graphscale
-from graphscale._backward import pyplan as _pyplan
-from graphscale._core import request as _request
 from graphscale._core import snapshot as _snapshot
-from graphscale._core import walk as _walk
+from graphscale._planner import plan as _pyplan
+from graphscale._planner import walk as _walk
+from graphscale._planner.request import PlanRequest
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 
@@ -114,7 +114,7 @@ def _check(loss_fn: Callable[[], torch.Tensor], group_a: list[torch.Tensor], gro
             graph = _walk.walk([loss.grad_fn])
             t_walk = min(t_walk, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        plan, _ = _pyplan.build([loss], _request.PlanRequest(_snapshot.Reading(state, factors)))
+        plan, _ = _pyplan.build([loss], PlanRequest(_snapshot.Reading(state, factors)))
         t_plan = time.perf_counter() - t0
         # Linear structure: every reachable node once, every edge once, no more.
         assert len(graph) == expected_nodes

@@ -44,7 +44,7 @@ def test_installing_the_same_group_twice_is_idempotent_and_lasts_until_the_last_
     finally:
         first.remove()
         second.remove()
-    assert torch.autograd.backward is graphscale._backward.entry.ORIGINAL_BACKWARD
+    assert torch.autograd.backward is graphscale._entry.entry.ORIGINAL_BACKWARD
 
 
 @require_deepspeed

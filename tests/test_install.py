@@ -12,8 +12,8 @@ from conftest import grad_mismatches, leaf_grads, require_deepspeed
 from torch import nn
 
 import graphscale
-from graphscale._backward import entry as _backward
 from graphscale._core import snapshot as _snapshot
+from graphscale._entry import entry as _backward
 
 TORCH_BACKWARD = torch.autograd.backward  # as torch shipped it, read before any install
 

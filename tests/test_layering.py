@@ -19,34 +19,41 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "graphscale"
 
-# The folders, bottom first: the core, the native backend, the governed
-# backward, then the adapters and the tools side by side (neither imports the
-# other), then the face (graphscale/__init__.py, __main__.py, observe.py).
-FOLDERS: list[tuple[str, ...]] = [("_core",), ("_native",), ("_backward",), ("_adapters", "_tools"), ("face",)]
+# The folders, bottom first: the core, then the native extension's loader and
+# the Python planner side by side (neither imports the other), the parts of a
+# governed backward, the two routes, the entry (the patch and install), then
+# the adapters and the tools side by side, then the face (graphscale/__init__.py,
+# __main__.py, observe.py).
+FOLDERS: list[tuple[str, ...]] = [("_core",), ("_native", "_planner"), ("_backward",), ("_routes",), ("_entry",),
+                                  ("_adapters", "_tools"), ("face",)]
+MAX_FLOORS = 6  # import floors inside one folder: rooms, not a tower
 
 # Modules, bottom first, folder by folder.  A module may import only modules on lower layers.
 LAYERS: list[tuple[str, ...]] = [
-    # _core/: groups, the snapshot, the walk and the plan, the adapter registry, errors, observation points
+    # _core/: groups, the snapshot, the adapter registry, errors, observation points
     ("_core", "_core.errors", "_core.registry", "_core.observation", "_core.table", "_core.releases"),
-    ("_core.walk", "_core.group"),
-    ("_core.plan", "_core.snapshot"),
-    ("_core.request",),
-    # _native/: the native backend
+    ("_core.group",),
+    ("_core.snapshot",),
+    # _native/: the extension's build and loader
     ("_native.build",),
     ("_native",),
-    # _backward/: the governed backward
-    ("_backward.overrides",),
-    ("_backward", "_backward.dynamo", "_backward.frames", "_backward.hooks", "_backward.sharing",
+    # _planner/: the Python planner, twin of _native/planner/ file for file
+    ("_planner", "_planner.nodes", "_planner.request"),
+    ("_planner.walk", "_planner.pins", "_planner.probe"),
+    ("_planner.potentials",),
+    ("_planner.plan",),
+    # _backward/: what a governed backward is made of
+    ("_backward", "_backward.overrides", "_backward.dynamo", "_backward.frames", "_backward.hints",
      "_backward.backend"),
-    ("_backward.pyplan", "_backward.hints", "_backward.native_backend"),
+    ("_backward.sharing", "_backward.python_backend", "_backward.native_backend", "_backward.unreached"),
     ("_backward.running",),
-    ("_backward.call", "_backward.unreached"),
-    ("_backward.decide",),
-    ("_backward.route",),
-    ("_backward.python_route",),
-    ("_backward.entry",),
-    ("_backward.selftest",),
-    ("_backward.install",),
+    ("_backward.call", "_backward.decide"),
+    # _routes/: the native route, the Python route, the self-test of one against the other
+    ("_routes", "_routes.hooks", "_routes.native"),
+    ("_routes.python", "_routes.selftest"),
+    # _entry/: the patched torch.autograd.backward, install
+    ("_entry", "_entry.entry"),
+    ("_entry.install",),
     # _tools/: explain, audit, diagnose, demo, env
     ("_tools", "_tools.explained", "_tools.leaf_rows"),
     ("_tools.audit_windows", "_tools.replay"),
@@ -64,7 +71,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("__main__",),
 ]
 # The functions that take torch.autograd.backward's own six parameters.
-TORCH_SIGNATURE = {("_backward/entry.py", "governed_backward"), ("_backward/call.py", "of"),
+TORCH_SIGNATURE = {("_entry/entry.py", "governed_backward"), ("_backward/call.py", "of"),
                    ("_tools/diagnose.py", "_backward")}
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60  # code lines: the docstring not counted
@@ -122,7 +129,7 @@ def folder(module: str) -> str:
 FOLDER = {f: k for k, tier in enumerate(FOLDERS) for f in tier}
 ADAPTERS = {m for m in MODULES if folder(m) == "_adapters"}
 TOOLS = {m for m in MODULES if folder(m) == "_tools"}
-CORE_AND_TOOLS = {m for m in MODULES if folder(m) in ("_core", "_native", "_backward", "_tools")}
+CORE_AND_TOOLS = {m for m in MODULES if folder(m) not in ("_adapters", "face")}
 
 
 def test_every_module_has_a_layer() -> None:
@@ -185,6 +192,19 @@ def test_the_import_graph_has_no_cycle() -> None:
         if m not in state:
             cycle = visit(m)
             assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_no_folder_is_a_tower() -> None:
+    """Within a folder, the longest chain of imports between its own modules
+    is at most MAX_FLOORS: a folder is a set of rooms a reader enters in any
+    order, not a tower climbed floor by floor."""
+    graph = {m: _imports(m, p) & set(MODULES) for m, p in MODULES.items()}
+    floor: dict[str, int] = {}
+    for layer in LAYERS:  # bottom first: a module's imports have their floors already
+        for m in layer:
+            floor[m] = 1 + max((floor[d] for d in graph[m] if folder(d) == folder(m) and d in floor), default=0)
+    towers = {f: max(k for m, k in floor.items() if folder(m) == f) for f in {folder(m) for m in MODULES}}
+    assert max(towers.values()) <= MAX_FLOORS, f"import floors per folder: {towers} (at most {MAX_FLOORS})"
 
 
 def _functions(path: Path) -> list[tuple[str, int, int]]:
@@ -291,7 +311,7 @@ def test_every_note_cited_exists_in_the_file_it_names() -> None:
 
 def _bound_modules(name: str, is_package: bool, tree: ast.AST) -> dict[str, str]:
     """The local names under which module ``name`` binds a graphscale module
-    (``from . import route as _route``, ``import graphscale._backward.route as r``)."""
+    (``from . import route as _route``, ``import graphscale._routes.native as r``)."""
     package = name.split(".") if is_package else name.split(".")[:-1]
     if name == "__init__":
         package = []
@@ -332,7 +352,7 @@ def writes_into_other_modules(name: str, source: str, is_package: bool = False) 
         if not isinstance(expr, ast.Name) or expr.id not in bound:
             return None
         module = bound[expr.id]
-        for part in reversed(dotted):  # graphscale._backward.route: the deepest module named
+        for part in reversed(dotted):  # graphscale._routes.native: the deepest module named
             deeper = part if module == "__init__" else f"{module}.{part}"
             if deeper not in MODULES:
                 return None
@@ -371,19 +391,19 @@ def test_no_module_writes_into_another_graphscale_module(name: str) -> None:
 
 
 @pytest.mark.parametrize("source, caught", [
-    pytest.param("from . import route as _route\n_route._self_test = f\n", True, id="an assignment"),
-    pytest.param("from . import route\nroute.count += 1\n", True, id="an augmented assignment"),
-    pytest.param("from . import route as _route\nsetattr(_route, 'enabled', False)\n", True, id="setattr"),
+    pytest.param("from . import native as _route\n_route._self_test = f\n", True, id="an assignment"),
+    pytest.param("from . import native\nnative.count += 1\n", True, id="an augmented assignment"),
+    pytest.param("from . import native as _route\nsetattr(_route, 'enabled', False)\n", True, id="setattr"),
     pytest.param("from .. import _native\ndel _native._module\n", True, id="del"),
-    pytest.param("import graphscale._backward.route\ngraphscale._backward.route.enabled = 0\n", True,
+    pytest.param("import graphscale._routes.native\ngraphscale._routes.native.enabled = 0\n", True,
                  id="through the package"),
     pytest.param("import torch\ntorch.autograd.backward = governed\n", False, id="torch's module"),
     pytest.param("from .frames import CARRIES_ATTR\nsetattr(tensor, CARRIES_ATTR, 2.0)\n", False, id="an object"),
-    pytest.param("from . import route as _route\n_route.state.value = 1\nx = _route.enabled\n", False,
+    pytest.param("from . import native as _route\n_route.state.value = 1\nx = _route.enabled\n", False,
                  id="an object held by the module, and a read"),
 ])
 def test_the_write_check_catches_writes_into_a_module_and_nothing_else(source: str, caught: bool) -> None:
-    assert bool(writes_into_other_modules("_backward.entry", source)) is caught
+    assert bool(writes_into_other_modules("_routes.python", source)) is caught
 
 
 # A cited file: a path ending in .py, .cpp or .h, relative to the repository

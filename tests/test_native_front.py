@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import observe
-from graphscale._backward import entry as _entry
+from graphscale._entry import entry as _entry
 
 ENTRY = _entry.governed_backward.__code__
 

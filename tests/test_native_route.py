@@ -1,4 +1,4 @@
-"""The native route (graphscale/_backward/route.py, NOTE [ One native call per
+"""The native route (graphscale/_routes/native.py, NOTE [ One native call per
 backward ] in graphscale/_native/registry.h) against the Python route, the
 reference: the same gradients, bit for bit, and the same walks on the
 property tests' random programs (tests/_programs.py) and on the shapes that
@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import _native, observe  # noqa: F401
-from graphscale._backward import route as _route
 from graphscale._backward import running as _running
+from graphscale._routes import native as _route
 
 
 @pytest.fixture

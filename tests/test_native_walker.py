@@ -1,5 +1,5 @@
 """The native walker (graphscale/_native) makes the same plan as the Python
-reference (graphscale/_core/walk.py + graphscale/_core/plan.py), and graphscale keeps
+reference (graphscale/_planner/walk.py + graphscale/_planner/potentials.py), and graphscale keeps
 working, exactly, with the Python walker forced or as the fallback (a build
 that fails: one warning, the Python walker, exact gradients).
 
@@ -25,12 +25,14 @@ from torch.autograd.graph import get_gradient_edge
 import graphscale
 from graphscale import _native
 from graphscale._backward import native_backend as _native_backend
-from graphscale._backward import pyplan as _pyplan
-from graphscale._core import walk as _walk
 from graphscale._core.errors import GraphscaleError
-from graphscale._core.request import PlanRequest
 from graphscale._core.snapshot import Reading, State
 from graphscale._native import build as _build
+from graphscale._planner import nodes as _nodes
+from graphscale._planner import plan as _pyplan
+from graphscale._planner import probe as _probe
+from graphscale._planner import walk as _walk
+from graphscale._planner.request import PlanRequest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,16 +162,16 @@ def assert_same_probe(native: Any, roots: list[Any], state: State) -> None:
     unowned leaves everywhere).  Where they stop early, what they saw before
     stopping depends on the order (depth-first in Python, breadth-first in
     C++): a node seen must then be one the graph has."""
-    want = _pyplan.probe_python(roots, state)
+    want = _probe.probe_python(roots, state)
     got = int(native.probe(tuple(roots), _native_backend.native_owners(state, native), state.policy_index,
                            torch.nn.Parameter))
     assert got & 3 == want & 3, f"policy {state.policy}: native verdict {got & 3}, Python {want & 3}"
     verdict = want & 3
-    if verdict == _pyplan.PROBE_NO_OWNED or (verdict == _pyplan.PROBE_FAST and state.policy != "any"):
-        assert got & _pyplan.PROBE_HIDDEN == want & _pyplan.PROBE_HIDDEN, f"policy {state.policy}: hidden differs"
-    elif (got | want) & _pyplan.PROBE_HIDDEN:
-        graph = _walk.walk([r for r in map(_walk.root_node, roots) if r is not None])
-        assert any(isinstance(n, _walk.CUSTOM_FUNCTION) for n in graph.nodes), "a hidden node the graph lacks"
+    if verdict == _probe.PROBE_NO_OWNED or (verdict == _probe.PROBE_FAST and state.policy != "any"):
+        assert got & _probe.PROBE_HIDDEN == want & _probe.PROBE_HIDDEN, f"policy {state.policy}: hidden differs"
+    elif (got | want) & _probe.PROBE_HIDDEN:
+        graph = _walk.walk([r for r in map(_nodes.root_node, roots) if r is not None])
+        assert any(isinstance(n, _nodes.CUSTOM_FUNCTION) for n in graph.nodes), "a hidden node the graph lacks"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

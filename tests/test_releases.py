@@ -23,10 +23,10 @@ from conftest import require_deepspeed
 
 import graphscale
 from graphscale._adapters.deepspeed import checks as _deepspeed_checks
-from graphscale._backward import entry as _backward
-from graphscale._backward import python_route as _python_route
-from graphscale._backward import selftest as _selftest
 from graphscale._core import releases as _releases
+from graphscale._entry import entry as _backward
+from graphscale._routes import python as _python_route
+from graphscale._routes import selftest as _selftest
 from graphscale._tools import env as _env
 
 NEWER_TORCH = "2.99.0+cpu"

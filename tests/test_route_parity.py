@@ -1,5 +1,5 @@
 """Which route governs a backward is said, never a guess (NOTE [ Which route
-governs a backward ] in graphscale/_backward/route.py), the DEBUG log changes no route,
+governs a backward ] in graphscale/_routes/native.py), the DEBUG log changes no route,
 and a native route that would be wrong on this torch is caught by its
 self-test before it governs anything (NOTE [ The native route's self-test ])."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import max_rel_err, native_route_or_skip
 
 import graphscale
 from graphscale import _native, observe
-from graphscale._backward import route as _route
+from graphscale._routes import native as _route
 
 
 def _pair() -> tuple[tuple[graphscale.Group, graphscale.Group], torch.nn.Module, torch.nn.Module]:

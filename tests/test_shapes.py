@@ -22,10 +22,10 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale._backward import decide as _planning
-from graphscale._backward import pyplan as _pyplan
-from graphscale._backward import python_route as _python_route
-from graphscale._core import request as _request
 from graphscale._core import snapshot as _snapshot
+from graphscale._planner import plan as _pyplan
+from graphscale._planner.request import PlanRequest
+from graphscale._routes import python as _python_route
 
 D = 4
 F64 = torch.float64
@@ -504,7 +504,7 @@ def test_walk_visits_each_node_once_and_multiplies_once_per_group_boundary(
         one_factor = len(set(factors.values())) == 1  # the probe proves no unowned leaf is reached: fast path
         assert _planning.decide([loss], _snapshot.Reading(state, factors), ())[0] == (_planning.FAST_PATH if one_factor
                                                                  else _planning.PLANNED)
-        plan, _ = _pyplan.build([loss], _request.PlanRequest(_snapshot.Reading(state, factors)))
+        plan, _ = _pyplan.build([loss], PlanRequest(_snapshot.Reading(state, factors)))
     assert len(plan.graph) == _reachable(loss.grad_fn)
     assert plan.multiplications == multiplications
 

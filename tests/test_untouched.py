@@ -55,8 +55,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
-from graphscale._backward import entry as _backward
 from graphscale._backward import sharing as _sharing
+from graphscale._entry import entry as _backward
 
 POLICIES = ("plain_params", "plain", "any")
 DS_MARKS = [pytest.mark.deepspeed, require_deepspeed]
@@ -405,7 +405,7 @@ def test_a_tensor_flagged_is_param_is_an_unowned_parameter(route: str, gas: tupl
     Unflagged, the same leaf is an input and takes a factor in play, so the
     test reads the flag (the native walker reads it from the tensor's dict)."""
     from graphscale import observe
-    from graphscale._backward import route as _route
+    from graphscale._routes import native as _route
 
     if route == "python":
         monkeypatch.setattr(_route, "enabled", False)

@@ -1,3 +1,3 @@
-"""The governed backward: what runs in place of ``torch.autograd.backward``
-(the entry, the call, the decision, the routes, running plans and bindings, the
-Python planner, checkpoint hints) and ``install``, which switches it on."""
+"""What a governed backward is made of: the call read once, the caller's
+frame, the one gate, the decision (left alone, fast path, plan), the running
+state and its two backends, the lock for shared nodes, checkpoint hints."""

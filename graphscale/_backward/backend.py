@@ -4,7 +4,7 @@ plan both backends give (:class:`Plan`).
 
 NOTE [ One interface, two backends ]
 The Python backend (``_backward/running.py`` ``PythonBackend``, planning
-with ``_backward/pyplan.py``) is the reference; the native one
+with ``_planner/plan.py``) is the reference; the native one
 (``_backward/native_backend.py`` over the extension built from
 ``graphscale/_native/``) repeats it in C++, decision for decision
 (``docs/native-walker.md`` maps each Python function to its C++ twin).
@@ -22,8 +22,8 @@ from Python to native, never back:
   running state, both routes ] in ``_native/registry.h``): a running
   backward's registrations and bindings must be undone where they were made.
 
-The native route's one-call backward (``_backward/route.py``,
-the native ``top``) and the Python route (``_backward/python_route.py``) are
+The native route's one-call backward (``_routes/native.py``,
+the native ``top``) and the Python route (``_routes/python.py``) are
 the two implementations of "run a governed backward"; both read and write
 the running state through this interface.
 """
@@ -35,8 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
+from .._planner.request import PlanRequest
 
 __all__ = ["Plan", "Backend", "NESTED_IN_PYTHON"]
 
@@ -44,7 +44,7 @@ NESTED_IN_PYTHON = "python"  # Backend.nested_plan: look the enclosing plan up i
 
 
 class Plan(Protocol):
-    """A walked plan (NOTE [ Potentials ] in ``_core/plan.py``), as applying it
+    """A walked plan (NOTE [ Potentials ] in ``_planner/potentials.py``), as applying it
     needs it: ``seeds`` (each root's potential, relative to ``base``), the
     nodes walked, the multiplications it places (seeds included), ``base``
     (the potential everything starts from: 1 at top level, the enclosing
@@ -103,8 +103,8 @@ class Backend(Protocol):
 
     # ---- the walker
     def probe(self, roots: Sequence[Any], state: State) -> int:
-        """NOTE [ Fast path ] in ``_backward/entry.py``: a PROBE_* verdict or-ed
-        with PROBE_HIDDEN (``_backward/pyplan.py``)."""
+        """NOTE [ Fast path ] in ``_entry/entry.py``: a PROBE_* verdict or-ed
+        with PROBE_HIDDEN (``_planner/probe.py``)."""
         ...
 
     def plan(self, roots: Sequence[Any], request: PlanRequest) -> Plan:

@@ -5,11 +5,11 @@ backends ] in _backward/backend.py).
   or a plan); :func:`graphscale.explain` asks the same function;
 * :func:`probe`: before the fast path, walk only until the answer is known;
 * :func:`walker`: the one place that chooses the planner: native when the
-  extension is loaded, else the Python reference (``_backward/pyplan.py``);
+  extension is loaded, else the Python reference (``_planner/plan.py``);
 * :func:`plan_backward`: the plan of a request, by the walker; both give the
   same plan;
 * :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
-  backward ] in _backward/entry.py), found through the one running state
+  backward ] in _entry/entry.py), found through the one running state
   (NOTE [ One running state, both routes ] in _native/registry.h).
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, NamedTuple
 
 from .. import _native
 from .._core.group import Group
-from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
+from .._planner.probe import PROBE_FAST, PROBE_HIDDEN, PROBE_NO_OWNED
+from .._planner.request import PlanRequest
 from . import native_backend as _native_backend
 from . import running as _running
 from .backend import Backend, Plan
 from .hints import checkpoint_hint
-from .pyplan import PROBE_FAST, PROBE_HIDDEN, PROBE_NO_OWNED
 
 __all__ = [
     "walker", "probe", "fast_path_factor", "Decision", "decide", "UNTOUCHED", "FAST_PATH", "PLANNED",
@@ -46,7 +46,7 @@ def walker() -> Backend:
 
 
 def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
-    """Before the fast path (NOTE [ Fast path ] in _backward/entry.py): (verdict,
+    """Before the fast path (NOTE [ Fast path ] in _entry/entry.py): (verdict,
     hidden).  PROBE_NO_OWNED when a backward of ``roots`` reaches no owned
     leaf the walk can see, PROBE_FAST when multiplying its seeds by the one
     factor in play is exact under the state's policy, PROBE_PLAN when
@@ -133,7 +133,7 @@ def _nested_request(reading: Reading, p: float, inputs: tuple[Any, ...]) -> Plan
 
 def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[Reading, Any] | None:
     """Plan a backward called from inside ``current``'s backward (NOTE [
-    Nested backward ] in _backward/entry.py): find the running plan that walked
+    Nested backward ] in _entry/entry.py): find the running plan that walked
     ``current`` and plan ``roots`` from its potential, with its reading; or,
     where none did, inside a backward that left the nested ones to be planned
     (NOTE [ Fast path ]: its task is bound with the potential everything in it

@@ -1,5 +1,5 @@
 """graphscale and torch's dynamo: every module of graphscale but the Python
-route's node hook (``_backward/hooks.py``) is on dynamo's skip list.
+route's node hook (``_routes/hooks.py``) is on dynamo's skip list.
 
 # NOTE [ graphscale is not traced by dynamo ]
 # Inside a torch.compile'd function (a training step with its backward in
@@ -11,7 +11,7 @@ route's node hook (``_backward/hooks.py``) is on dynamo's skip list.
 # torch 2.13) or would have baked one backward's reading (its factors, its
 # graph task's binding) into a graph for every later step.  So each module of
 # graphscale goes on dynamo's skip list (torch._dynamo.trace_rules.add: a
-# frame or call there is run eagerly, as torch's own are), except _backward/hooks.py:
+# frame or call there is run eagerly, as torch's own are), except _routes/hooks.py:
 # the Python route's edge multiplier, which compiled autograd lifts into its
 # graph and dynamo compiles with the rest (one capture, replayed every step).
 # graphscale never imports dynamo for this (2.6 s, measured): where dynamo is
@@ -34,7 +34,7 @@ __all__ = ["keep_out", "TRACED", "eager"]
 _log = logging.getLogger("graphscale")
 _TRACE_RULES = "torch._dynamo.trace_rules"
 # what dynamo may trace (NOTE [ graphscale is not traced by dynamo ])
-TRACED = frozenset({"graphscale._backward.hooks"})
+TRACED = frozenset({"graphscale._routes.hooks"})
 _lock = threading.Lock()
 _state: dict[str, Any] = {"done": False, "finder": None}
 

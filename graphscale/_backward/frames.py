@@ -110,7 +110,7 @@ def compiled_autograd_active() -> bool:
     own ``_enable``, ``torch._dynamo.config.compiled_autograd`` under
     ``torch.compile``, or DeepSpeed's ``compile(compiled_autograd_enabled=True)``
     inside ``engine.backward``): NOTE [ Which route governs a backward ] in
-    _backward/route.py.  One dict read while dynamo was never imported."""
+    _routes/native.py.  One dict read while dynamo was never imported."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from .._core.request import PlanRequest
 from .._core.snapshot import State
-from .._core.walk import root_node
+from .._planner.nodes import root_node
+from .._planner.request import PlanRequest
 from .backend import Plan
 from .overrides import own
 

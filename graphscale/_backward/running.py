@@ -3,8 +3,8 @@ tasks to what governs them (:func:`binding_for`, :func:`bound`,
 :func:`task_binding`), which output hooks and nested backwards read, and the
 registry of walked plans whose backward is running (:func:`running_plan`,
 :func:`running`, :func:`enclosing_phi`), which nested backwards plan from;
-the Python backend (:class:`PythonBackend`), and :data:`state`, the backend
-the running state is kept in (NOTE [ One interface, two backends ] in
+and :data:`state`, the backend the running state is kept in (the Python
+one, ``python_backend.py``, until the native one takes over) (NOTE [ One interface, two backends ] in
 ``_backward/backend.py``).
 
 NOTE [ One running state, both routes ] (in ``_native/registry.h``): once
@@ -20,17 +20,14 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .._core import registry as _registry
-from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
 from . import frames as _frames
 from . import native_backend as _native_backend
-from . import pyplan as _pyplan
 from . import sharing as _sharing
-from .backend import NESTED_IN_PYTHON, Backend, Plan
+from .backend import Backend, Plan
 from .frames import compiled_autograd_active
+from .python_backend import PYTHON, Binding, PythonBackend, bindings
 from .sharing import ORIGINAL_BACKWARD
 
 __all__ = [
@@ -81,152 +78,6 @@ __all__ = [
 # so do the backwards nested in it.
 
 
-# graph task id -> binding, while that backward runs (both kinds of hook write it; the
-# DeepSpeed adapter's output hooks read it: task_binding() without its frame)
-bindings: dict[int, Any] = {}
-_py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, reading), innermost last
-
-
-class Binding:
-    """What a running backward's graph task is bound to, in the Python
-    backend (the native one's ``Binding`` has the same fields): the
-    ``reading`` (snapshot and factors) that governs it, and (NOTE [ Fast path
-    ] in _backward/entry.py) where no plan of it exists, the ``potential``
-    everything in it carries, from which a nested backward is planned (None:
-    nested backwards are left alone); ``once``/``reference``: NOTE [ Once per
-    backward ]; ``on_failure``: NOTE [ A backward that raised ] in
-    _backward/frames.py.  Made on the thread that calls the backward: a
-    nested backward's binding joins the one of the task running there."""
-
-    __slots__ = ("reading", "potential", "once", "on_failure", "reference")
-
-    def __init__(self, reading: Reading, potential: float | None = None, reference: bool = False,
-                 on_failure: list[Callable[[], None]] | None = None) -> None:
-        self.reading, self.potential = reading, potential
-        enclosing = task_binding()
-        self.once: set[Any] = set() if enclosing is None else enclosing.once
-        self.on_failure: list[Callable[[], None]] = (
-            enclosing.on_failure if enclosing is not None else _frames.innermost() if on_failure is None
-            else on_failure)
-        self.reference: bool = reference or (enclosing is not None and enclosing.reference)
-
-    @property
-    def state(self) -> State:
-        return self.reading.state
-
-
-
-class _PyBound:
-    """The Python binding hook (NOTE [ Which snapshot an output hook obeys ])."""
-
-    __slots__ = ("roots", "binding", "tasks", "handles")
-
-    def __init__(self, roots: Sequence[Any], binding: Any) -> None:
-        self.roots, self.binding = roots, binding
-        self.tasks: list[int] = []
-        self.handles: list[Any] = []
-
-    def _bind(self, *_: Any) -> None:
-        tid = torch._C._current_graph_task_id()
-        if tid >= 0 and tid not in bindings:
-            bindings[tid] = self.binding
-            self.tasks.append(tid)
-
-    def __enter__(self) -> tuple[Any, ...]:
-        out = []
-        grad_was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(True)  # a backward may run under no_grad; a view must join the graph
-        try:
-            for t in self.roots:
-                node = None
-                if isinstance(t, GradientEdge):
-                    node = t.node
-                elif isinstance(t, torch.Tensor):
-                    hooked = t._backward_hooks and _registry.output_hooked(t)
-                    if hooked and t.layout == torch.strided and not t.is_nested:
-                        t = t.view_as(t)  # its node dies with the graph: no handle to keep
-                        t.grad_fn.register_prehook(self._bind)  # type: ignore[union-attr]
-                    else:
-                        node = t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node
-                if node is not None:
-                    self.handles.append(node.register_prehook(self._bind))
-                out.append(t)
-        finally:
-            torch._C._set_grad_enabled(grad_was)
-        return tuple(out)
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self.handles:
-            h.remove()
-        for tid in self.tasks:
-            bindings.pop(tid, None)
-
-
-
-
-class _PyRunningPlan:
-    """Register (plan, reading) in the Python registry while its backward runs."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self, plan: Any, reading: Reading) -> None:
-        self.entry = (plan, reading)
-
-    def __enter__(self) -> None:
-        _py_running.append(self.entry)
-
-    def __exit__(self, *exc: object) -> None:
-        for i in range(len(_py_running) - 1, -1, -1):
-            if _py_running[i] is self.entry:
-                del _py_running[i]
-                return
-
-
-
-
-class PythonBackend:
-    """The Python backend, the reference (NOTE [ One interface, two backends
-    ] in _backward/backend.py): plans with ``_backward/pyplan.py``, keeps the
-    running state in this module."""
-
-    name = "python"
-    module = None
-    binds_root_nodes = True  # _PyBound's pre-hook on a root node (NOTE [ Hooks on shared nodes ])
-
-    def probe(self, roots: Sequence[Any], state: State) -> int:
-        return _pyplan.probe_python(roots, state)
-
-    def plan(self, roots: Sequence[Any], request: PlanRequest) -> Plan:
-        return _pyplan.PyPlan(*_pyplan.build(roots, request), request.reading.state.groups)
-
-    def binding(self, reading: Reading, potential: float | None, on_failure: list[Callable[[], None]] | None,
-                governor: Any) -> Binding:
-        return Binding(reading, potential, False, on_failure)  # (no governor: nested plans are made in Python)
-
-    def reference_binding(self, reading: Reading) -> Binding:
-        return Binding(reading, reference=True, on_failure=[])
-
-    def bound(self, roots: tuple[Any, ...], binding: Any) -> _PyBound:
-        return _PyBound(roots, binding)
-
-    def running_plan(self, plan: Plan, reading: Reading) -> _PyRunningPlan:
-        return _PyRunningPlan(plan, reading)
-
-    def running(self) -> tuple[tuple[Plan, Reading], ...]:
-        return tuple(_py_running)
-
-    def enclosing_phi(self, node: Any) -> float | None:
-        for plan, _ in reversed(_py_running):
-            p = plan.phi_of(node)
-            if p is not None:
-                return p  # type: ignore[no-any-return]
-        return None
-
-    def nested_plan(self, current: Any, roots: tuple[Any, ...]) -> str:
-        return NESTED_IN_PYTHON  # decide.plan_nested's lookup over running()
-
-
-PYTHON: Backend = PythonBackend()
 state: Backend = PYTHON  # the backend the running state is kept in: PYTHON, or a native one once (use_native)
 
 
@@ -237,7 +88,7 @@ def use_native(module: Any) -> bool:
     global state
     if state.module is module:
         return True
-    if _py_running or bindings:
+    if PYTHON.running() or bindings:
         return False
     backend = _native_backend.of(module)
 
@@ -261,7 +112,7 @@ def binding_for(reading: Reading | None, hooks: bool = True, potential: float | 
     snapshot governs (``hooks``: a plan saw tensor hooks, or none looked;
     NOTE [ Which snapshot an output hook obeys ]), or when backwards nested in
     it must be planned from ``potential`` (NOTE [ Fast path ] in
-    _backward/entry.py; ``governor``: the snapshot's native Governor, which
+    _entry/entry.py; ``governor``: the snapshot's native Governor, which
     plans them natively); ``on_failure``: its top-level backward's list."""
     if reading is None or (potential is None and not (hooks and reading.state.hook_owners)):
         return None

@@ -1,3 +1,3 @@
-"""The core: what every other part stands on (groups, the snapshot, the walk and the
-plan, the adapter registry, errors, observation points).  Imports nothing of
-graphscale above it."""
+"""The core: what every other part stands on (groups, the snapshot, the
+adapter registry, errors, observation points, releases, the table
+formatter).  Imports nothing of graphscale above it."""

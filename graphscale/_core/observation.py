@@ -106,7 +106,7 @@ def recording_walks(record: WalkRecorder) -> _Pushed:
 def recording_routes(record: RouteRecorder) -> _Pushed:
     """Within the block, ``record(route, reason)`` sees every governed
     backward: ``("native", None)``, or ``("python", reason)`` (NOTE [ Which
-    route governs a backward ] in _backward/route.py)."""
+    route governs a backward ] in _routes/native.py)."""
     return _Pushed("routes", record)
 
 

@@ -8,7 +8,7 @@ warning a newer release gets.
 # downgrade of their torch); instead such a release installs, gets ONE
 # warning per process naming it, and the install-time self-tests decide:
 #   * torch: the self-test (NOTE [ The native route's self-test ] in
-#     _backward/selftest.py) runs a tiny graph with a nested backward through each route
+#     _routes/selftest.py) runs a tiny graph with a nested backward through each route
 #     against the plain oracle.  The Python route runs it at the first
 #     install() of a process; if it fails, that install() and every later one
 #     raise GraphscaleError naming torch's version and the failing piece (the

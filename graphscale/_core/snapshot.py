@@ -50,7 +50,7 @@ __all__ = ["UNOWNED_POLICIES", "check_policy", "strictest", "State", "Reading", 
 #   "any": every unowned leaf g times one factor graphscale chooses (1 or one
 #       in play, never a mixture): the cheapest, opt-in.
 # The fast path (one factor in play) first walks until it knows the answer
-# (NOTE [ Fast path ] in _backward/entry.py).  The index of a policy in
+# (NOTE [ Fast path ] in _entry/entry.py).  The index of a policy in
 # UNOWNED_POLICIES is what the native walker takes.
 UNOWNED_POLICIES = ("any", "plain_params", "plain")
 _RENAMED = {"raw": "plain"}
@@ -114,7 +114,7 @@ class Tables:
     parameters or None), for checkpoint hints.  ``native_owners``: (the native
     extension, its ``Owners`` table of this snapshot) once built;
     ``native_governor``: (the native extension, its ``Governor`` of this
-    snapshot) once the native route made it (_backward/route.py)."""
+    snapshot) once the native route made it (_routes/native.py)."""
 
     __slots__ = ("hints", "native_owners", "native_governor")
 

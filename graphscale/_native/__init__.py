@@ -1,6 +1,6 @@
 """The native walker: walk + plan in C++ (``walker.cpp``), same plan as Python.
 
-``graphscale/_backward/pyplan.py`` (with ``_core/walk.py`` and ``_core/plan.py``) is the reference;
+``graphscale/_planner/plan.py`` (with ``_planner/walk.py`` and ``_planner/potentials.py``) is the reference;
 ``walker.cpp`` repeats them on the C++ autograd Nodes with the same orders and
 tie-breaks (tests/test_native_walker.py compares the two on random graphs).
 

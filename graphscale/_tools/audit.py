@@ -36,7 +36,6 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from .._backward import frames as _frames
-from .._backward import python_route as _python_route
 from .._backward.call import BackwardCall
 from .._core import registry as _registry
 from .._core.errors import AuditError, GraphscaleError
@@ -44,6 +43,7 @@ from .._core.group import Group, spec_reads
 from .._core.observation import observing
 from .._core.snapshot import State, current
 from .._core.table import format_table
+from .._routes import python as _python_route
 from .audit_windows import Reduced, Windows, rtol_for
 from .leaf_rows import UNOWNED, Capture, Mismatch, Row, reached_leaves, rows_of
 from .replay import Replays, needs_replay, reference

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .._backward.install import install
 from .._core.table import format_table
+from .._entry.install import install
 from .explain import explain
 
 __all__ = ["Shape", "Row", "SHAPES", "run_demo", "format_report", "EXACT"]

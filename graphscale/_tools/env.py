@@ -22,11 +22,11 @@ import sys
 import torch
 
 from .. import _native
-from .._backward import route as _route
 from .._core import registry as _registry
 from .._core import releases as _releases
 from .._core.errors import GraphscaleError
 from .._native import build as _build
+from .._routes import native as _route
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graphscale/ (this file is in _tools/)
 
@@ -56,8 +56,8 @@ def _compiler() -> Row:
 
 
 def _native_rows(wait: float) -> list[Row]:
-    from .._backward.install import install
     from .._core.group import Group
+    from .._entry.install import install
 
     _native.prepare()
     module = _native.wait(wait)

@@ -2,7 +2,7 @@
 
 The explanation is made by the same code the governed backward runs: the
 decision (:func:`~graphscale._backward.decide.decide`) and the Python reference
-planner (:func:`~graphscale._backward.pyplan.build`, whose plans the native walker
+planner (:func:`~graphscale._planner.plan.build`, whose plans the native walker
 repeats).  What it shows is what the backward would do with the groups
 installed now and the factors read now, fp16 loss scales included
 (:meth:`~graphscale._core.snapshot.State.read`, as the backward reads them).
@@ -19,12 +19,12 @@ import torch
 from .._backward import frames as _frames
 from .._backward.call import normalize
 from .._backward.decide import FAST_PATH, PLANNED, decide, top_level_request
-from .._backward.pyplan import build
 from .._core.errors import GraphscaleError
 from .._core.group import Group
-from .._core.plan import Plan
 from .._core.snapshot import State, current
-from .._core.walk import root_node
+from .._planner.nodes import root_node
+from .._planner.plan import build
+from .._planner.potentials import Plan
 from .explained import ExplainedPlan, GroupInPlay, Multiplication
 
 __all__ = ["explain", "ExplainedPlan"]

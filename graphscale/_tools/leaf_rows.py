@@ -13,7 +13,7 @@ import torch
 from .._backward import running as _running
 from .._core.group import Group
 from .._core.snapshot import State
-from .._core.walk import root_node
+from .._planner.nodes import root_node
 
 __all__ = ["UNOWNED", "Mismatch", "plain_reference", "Capture", "dtype_rtol", "Row", "rows_of", "err", "reached_leaves"]
 

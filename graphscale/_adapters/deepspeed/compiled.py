@@ -18,7 +18,7 @@ of a backward runs.  Part of the DeepSpeed adapter; never imports deepspeed.
 # (prologue_under_compiled_autograd here, torch._dynamo.disable: once per
 # backward, so its microsecond does not matter); and the adapter's modules,
 # the hook descriptors (_adapters/deepspeed/hooks.py) and the task bindings
-# (_backward/running.py), like every graphscale module but _backward/hooks.py,
+# (_backward/running.py), like every graphscale module but _routes/hooks.py,
 # are on dynamo's skip list (NOTE [ graphscale is not traced by dynamo ] in
 # _backward/dynamo.py): dynamo breaks its graph at them and they run eagerly,
 # on the real graph task, every step.  So the prologue runs once,

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ..._backward.entry import patched, when_unpatched
 from ..._backward.running import bindings
 from ..._core.errors import GraphscaleError
+from ..._entry.entry import patched, when_unpatched
 from .reads import engine_type, found
 
 __all__ = ["attached", "is_output_hooked", "redirect_on", "redirect_off", "PROLOGUE", "SHADOWED"]

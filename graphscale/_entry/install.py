@@ -15,15 +15,15 @@ from typing import Any
 import torch
 
 from .. import _native
+from .._backward import dynamo as _dynamo
+from .._backward import native_backend as _native_backend
 from .._core import registry as _registry
 from .._core import releases as _releases
 from .._core import snapshot as _snapshot
 from .._core.group import Group
-from . import dynamo as _dynamo
+from .._routes import native as _route
+from .._routes import selftest as _selftest
 from . import entry as _entry
-from . import native_backend as _native_backend
-from . import route as _route
-from . import selftest as _selftest
 
 __all__ = ["Installation", "install"]
 
@@ -119,7 +119,7 @@ def _refresh() -> None:
         _route.governor(native, state)
     _snapshot.set_current(state)
     _entry.patch(True)
-    _selftest.require_python_route()  # NOTE [ Newer releases ]: once per process; raises where it fails
+    _selftest.require_python_route(_entry.govern)  # NOTE [ Newer releases ]: once per process; raises where it fails
     if native is not None and _route.enabled:
         _route.self_test(native)  # NOTE [ The native route's self-test ]: once per process, before any backward
 

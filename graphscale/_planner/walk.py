@@ -4,7 +4,8 @@ The walk is iterative (graphs have 10^5 nodes; recursion would overflow) and
 touches each node once.  It produces a :class:`Graph`: nodes in a topological
 order (every node before the nodes its gradient flows to), each node's edges
 as indices into that order, and the variable of every ``AccumulateGrad``.
-Nothing is registered on the graph; the walk only reads it.
+Nothing is registered on the graph; the walk only reads it.  C++ twin:
+``_native/planner/walk.h``.
 """
 from __future__ import annotations
 
@@ -12,36 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .errors import InternalError, internal_assert
+from .._core.errors import internal_assert
+from .nodes import ACCUMULATE_GRAD
 
-__all__ = ["Graph", "walk", "root_node", "ACCUMULATE_GRAD", "CUSTOM_FUNCTION"]
-
-
-def _accumulate_grad_type() -> type:
-    leaf = torch.zeros(1, requires_grad=True)
-    node = leaf.mul(1).grad_fn
-    if node is None:
-        raise InternalError("graphscale: internal invariant broken: a product of a leaf has no grad_fn. "
-                            "This is a bug in graphscale.")
-    return type(node.next_functions[0][0])
-
-
-ACCUMULATE_GRAD: type = _accumulate_grad_type()
-CUSTOM_FUNCTION: type = torch.autograd.function.BackwardCFunction  # a custom autograd.Function's node
-
-
-def root_node(t: Any) -> Any:
-    """The node a backward root starts at: an edge's node, a tensor's
-    ``grad_fn``, a leaf's ``AccumulateGrad``; None for a tensor without grad."""
-    if isinstance(t, GradientEdge):
-        return t.node
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if t.requires_grad:
-        return get_gradient_edge(t).node
-    return None
+__all__ = ["Graph", "walk"]
 
 
 @dataclass

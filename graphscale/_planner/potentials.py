@@ -1,6 +1,6 @@
 """Make a plan: which multiplications, where, so every leaf gets its factor.
 
-Input is a walked :class:`~graphscale._core.walk.Graph` and the *pins*: the
+Input is a walked :class:`~graphscale._planner.walk.Graph` and the *pins*: the
 potential each constrained node must end at (an owned leaf: its group's
 factor).  Output is plain data, no hooks: a potential per node, a multiplier
 per root seed, and the edge multipliers of each node.

@@ -5,7 +5,7 @@ that call does.  Python keeps what only Python can read (the call's
 arguments, every group's factor, what the seeds carry) and the observation
 points; the rest — decide, walk, plan, scale the seeds, hook, bind, register
 for nested backwards, run the original, take it all back — is native.  The
-Python route (``_backward/python_route.py``) stays the exact reference:
+Python route (``_routes/python.py``) stays the exact reference:
 ``GRAPHSCALE_ROUTE=python`` in the environment (or ``enabled = False`` here)
 runs every backward through it, with the native walker's plans;
 ``GRAPHSCALE_WALKER=python`` with the Python walker's too.
@@ -21,7 +21,7 @@ runs every backward through it, with the native walker's plans;
 #   "native walker not ready"  still building, or failed (NOTE [ No backward
 #                              waits for a compiler ] in _native/__init__.py);
 #   "self-test failed"         NOTE [ The native route's self-test ] in
-#                              _backward/selftest.py;
+#                              _routes/selftest.py;
 #   "compiled autograd"        torch's compiled autograd is on (its own
 #                              _enable, torch._dynamo.config.compiled_autograd
 #                              under torch.compile, or DeepSpeed's
@@ -60,16 +60,16 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from .. import _native
+from .._backward import call as _call
+from .._backward import running as _running
+from .._backward.call import BackwardCall
+from .._backward.frames import Frame, compiled_autograd_active
+from .._backward.hints import checkpoint_hint_positions
+from .._backward.native_backend import native_owners
+from .._backward.unreached import warn_unreached_groups
 from .._core import observation as _observation
 from .._core.observation import Laps
 from .._core.snapshot import Reading, State
-from . import call as _call
-from . import running as _running
-from .call import BackwardCall
-from .frames import Frame, compiled_autograd_active
-from .hints import checkpoint_hint_positions
-from .native_backend import native_owners
-from .unreached import warn_unreached_groups
 
 __all__ = ["ROUTE_ENV", "enabled", "python_only", "decline_reason", "declined", "governor", "nested_governor",
            "govern_natively", "govern_nested_natively", "native_front", "trusted", "self_test", "register_self_test"]
@@ -300,8 +300,9 @@ _passed: Any = None  # the last native module that passed (decline_reason's fast
 def register_self_test(failure: Callable[[Any], str | None]) -> None:
     """Make ``failure`` NOTE [ The native route's self-test ]: ``failure(native)``
     runs the fixed program through both routes and returns what failed, or
-    None.  ``_backward/selftest.py`` registers it at import: it runs both
-    routes, so it sits above this module and this module cannot import it."""
+    None.  ``_entry/entry.py`` registers it at import (``_routes/selftest.py``
+    ``failure`` with the entry's ``govern``): it runs whole governed
+    backwards, so the entry, above both routes, hands it over."""
     global _self_test
     with _trust_lock:
         _self_test = failure

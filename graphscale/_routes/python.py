@@ -1,6 +1,6 @@
 """The Python route: the governed backward in Python, the reference the
 native route must match, and the route of every backward the native one
-declines (NOTE [ Which route governs a backward ] in ``route.py``).
+declines (NOTE [ Which route governs a backward ] in ``native.py``).
 
 From the reading on it decides (``decide.py``: left alone, the fast path,
 or a plan), scales the seeds, puts each edge multiplier on its node as a
@@ -19,19 +19,19 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from .._backward import decide as _decide
+from .._backward import running as _running
+from .._backward import sharing as _sharing
+from .._backward.backend import Plan
+from .._backward.call import BackwardCall
+from .._backward.frames import CARRIES_ATTR, Frame
+from .._backward.unreached import warn_unreached_groups
 from .._core import observation as _observation
 from .._core.observation import Laps
 from .._core.snapshot import Reading
-from . import decide as _decide
-from . import route as _route
-from . import running as _running
-from . import sharing as _sharing
-from .backend import Plan
-from .call import BackwardCall
-from .frames import CARRIES_ATTR, Frame
+from .._planner.plan import PyPlan
+from . import native as _route
 from .hooks import post_hook
-from .pyplan import PyPlan
-from .unreached import warn_unreached_groups
 
 __all__ = ["govern_in_python", "govern_nested_in_python", "scaled_seeds", "carries"]
 

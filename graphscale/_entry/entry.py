@@ -4,8 +4,8 @@
 ``torch.autograd.backward``, so while graphscale is installed that function is
 replaced by :func:`governed_backward` (:func:`patch`).  It reads the call, the
 caller's frame and the factors, and hands them to one route: the native one
-(``route.py``: one C++ call) where it takes the backward, else the Python
-route (``python_route.py``), the reference.  Data crosses each line: the call
+(``_routes/native.py``: one C++ call) where it takes the backward, else the Python
+route (``_routes/python.py``), the reference.  Data crosses each line: the call
 (:class:`~graphscale._backward.call.BackwardCall`), the frame
 (:class:`~graphscale._backward.frames.Frame`), the reading
 (:class:`~graphscale._core.snapshot.Reading`); nothing calls back up.
@@ -36,7 +36,7 @@ route (``python_route.py``), the reference.  Data crosses each line: the call
 # off, inputs=): entry.governed_backward -> route.govern_nested_natively
 # (which asks frames.compiled_autograd_active) -> govern_nested -> torch.
 # Where the native route declines (counted: NOTE [ Which route governs a
-# backward ] in route.py), route.govern_natively hands back and the Python
+# backward ] in _routes/native.py), route.govern_natively hands back and the Python
 # route runs from the reading on: python_route.govern_in_python -> decide
 # (probe or plan) -> hooks -> running (register, bind) ->
 # call.BackwardCall.run -> torch.
@@ -90,13 +90,14 @@ from typing import Any, Callable
 
 import torch
 
+from .._backward import frames as _frames
+from .._backward import sharing as _sharing
+from .._backward.call import ORIGINAL_BACKWARD, BackwardCall
 from .._core import observation as _observation
 from .._core import snapshot as _snapshot
-from . import frames as _frames
-from . import python_route as _python_route
-from . import route as _route
-from . import sharing as _sharing
-from .call import ORIGINAL_BACKWARD, BackwardCall
+from .._routes import native as _route
+from .._routes import python as _python_route
+from .._routes import selftest as _selftest
 
 __all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
 
@@ -259,3 +260,7 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
         _top_level_running.pop()
         if not _top_level_running and _snapshot.installed is None:
             _left_last()
+
+
+# NOTE [ The native route's self-test ] runs whole governed backwards through govern.
+_route.register_self_test(lambda native: _selftest.failure(native, govern))

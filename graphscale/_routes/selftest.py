@@ -1,9 +1,8 @@
-"""NOTE [ The native route's self-test ]: a tiny fixed
-program through both routes and plain PyTorch.  Above the governed backward
-(it runs both of its routes); registered at import through
-``route.register_self_test``.  The Python route's half runs on its own at
-the first install() of a process (``require_python_route``, NOTE [ Newer
-releases ] in _core/releases.py)."""
+"""The native route's self-test: a tiny fixed program through both routes
+and plain PyTorch, before the native route governs anything (NOTE [ The
+native route's self-test ] below).  It runs whole governed backwards, so the
+entry hands it the function that governs one (``govern``); the entry
+registers it with the native route (``native.register_self_test``)."""
 # NOTE [ The native route's self-test ]
 # The native route is a second implementation of the governed backward, built
 # against whichever torch the user runs.  Before it governs anything (at
@@ -25,22 +24,23 @@ releases ] in _core/releases.py)."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from .._backward import call as _call
+from .._backward.call import BackwardCall
+from .._backward.frames import compiled_autograd_active
 from .._core import observation as _observation
 from .._core.errors import GraphscaleError
 from .._core.group import Group
 from .._core.releases import NEWEST_TESTED
 from .._core.snapshot import State
-from . import call as _call
-from . import route as _route
-from .call import BackwardCall
-from .entry import govern
-from .frames import compiled_autograd_active
+from . import native as _route
 
 __all__ = ["failure", "require_python_route"]
+
+Governs = Callable[[BackwardCall, State, Any], None]  # _entry/entry.py govern
 
 _lock = threading.Lock()
 _python_verdict: list[str | None] = []  # [] until run; then [None] (passed) or [what failed]
@@ -69,10 +69,11 @@ class _Reentrant(torch.autograd.Function):
         return None, x.grad
 
 
-def failure(native: Any) -> str | None:
+def failure(native: Any, govern: Governs) -> str | None:
     """What failed in the self-test, or None: both routes (the Python route
     alone where ``native`` is None) gave plain x factor bit for bit in every
-    case."""
+    case.  ``govern(call, state, native)`` runs one governed backward
+    (``_entry/entry.py`` ``govern``)."""
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(0)
         a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
@@ -117,7 +118,7 @@ def failure(native: Any) -> str | None:
         return None
 
 
-def require_python_route() -> None:
+def require_python_route(govern: Governs) -> None:
     """Raise GraphscaleError if the Python route fails the self-test on this
     torch (run once per process, from install() while torch is patched: its
     nested backward must be governed).  The Python route is the reference
@@ -128,7 +129,7 @@ def require_python_route() -> None:
                 return  # not now: its backwards would be captured (the next install() runs it)
             with _observation.unrecorded():  # the self-test's backwards are no user's
                 try:
-                    _python_verdict.append(failure(None))
+                    _python_verdict.append(failure(None, govern))
                 except Exception as exc:  # noqa: BLE001 - whatever broke, the message names it
                     _python_verdict.append(f"{type(exc).__name__}: {exc}")
         failed = _python_verdict[0]
@@ -139,5 +140,3 @@ def require_python_route() -> None:
             f"was tested with (e.g. pip install 'torch=={NEWEST_TESTED['torch']}') or a graphscale that knows this "
             "release, and report it with `python -m graphscale env`. Nothing was installed.")
 
-
-_route.register_self_test(failure)

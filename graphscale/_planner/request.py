@@ -1,8 +1,5 @@
-"""What one backward asks the planner: :class:`PlanRequest`.
-
-Both planners take it: the Python reference (``_backward/pyplan.py``) and the native
-walker (``_native/walker.cpp``, through ``_backward/native_backend.py``'s ``NativeBackend.plan``).
-"""
+"""What one backward asks the planner: :class:`PlanRequest`.  C++ twin:
+``Request`` in ``_native/planner/plan.h``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .snapshot import Reading
+from .._core.snapshot import Reading
 
 __all__ = ["PlanRequest"]
 
@@ -20,13 +17,13 @@ class PlanRequest(NamedTuple):
 
     ``reading``: the snapshot and the factors read for this backward.
     ``base``: the potential the seeds already carry (1 at top level; a nested
-    backward's enclosing potential, NOTE [ Nested backward ] in _backward/entry.py).
+    backward's enclosing potential, NOTE [ Nested backward ] in _entry/entry.py).
     ``carrier``: in a nested backward, the potential unowned non-Parameter
     leaves must end at; None at top level.
     ``inputs``: the backward's ``inputs=`` (non-leaf ones receive ``.grad``
     and are pinned under ``unowned="plain"``).
     ``outer_phi``: the potential an enclosing plan gave a node, or None where
-    none saw it (NOTE [ Unowned leaves in nested backward ] in _backward/pyplan.py);
+    none saw it (NOTE [ Unowned leaves in nested backward ] in _planner/pins.py);
     None at top level.
     ``hint``: a potential for a custom-Function node, or None (NOTE [
     Checkpoint hints ] in _backward/hints.py).
