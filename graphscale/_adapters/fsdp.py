@@ -1,6 +1,19 @@
-"""FSDP2 adapter: the only module that knows ``torch.distributed.fsdp``
-internals.  Registered with graphscale's adapter registry (``_core/registry.py``)
-at import.
+"""The FSDP2 adapter: the only module that knows ``torch.distributed.fsdp``
+internals.  A group made from a fully_shard-ed module owns the unsharded
+parameters its backward reaches.  Registered with graphscale's adapter
+registry (``_core/registry.py``) at import.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .._core import registry as _registry
+
+__all__ = ["fsdp_params", "unsharded_of", "ADAPTER"]
 
 # NOTE [ FSDP2's backward leaves ]
 # A fully_shard-ed module's parameters() are its *sharded* parameters
@@ -24,18 +37,6 @@ at import.
 # unless torch.distributed.fsdp has been imported.  No public API maps a
 # module to its FSDPParams: FSDPModule._get_fsdp_state()._fsdp_param_groups
 # (_fsdp_param_group before torch 2.6) is read.
-"""
-from __future__ import annotations
-
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
-
-from .._core import registry as _registry
-
-__all__ = ["fsdp_params", "unsharded_of", "ADAPTER"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -81,9 +82,8 @@ class _FSDPAdapter(_registry.Adapter):
 
     def backward_leaves(self, group: Any, owns: Callable[[Any], bool]) -> tuple[
             list[tuple[Any, str]], list[Callable[[], bool]]]:
-        """NOTE [ FSDP2's backward leaves ]: the unsharded parameters of the
-        group's FSDP2 modules whose sharded parameter the group owns, and a
-        check for each not made yet."""
+        """The unsharded parameters of the group's FSDP2 modules whose
+        sharded parameter the group owns, and a check for each not made yet."""
         module = group.module if "torch.distributed.fsdp" in sys.modules else None
         if module is None:
             return [], []

@@ -1,31 +1,6 @@
 """One interface, two backends: what the governed backward asks of the code
 that walks, plans and keeps the running state (:class:`Backend`), and the
 plan both backends give (:class:`Plan`).
-
-NOTE [ One interface, two backends ]
-The Python backend (``_backward/running.py`` ``PythonBackend``, planning
-with ``_planner/plan.py``) is the reference; the native one
-(``_backward/native_backend.py`` over the extension built from
-``graphscale/_native/``) repeats it in C++, decision for decision
-(``docs/native-walker.md`` maps each Python function to its C++ twin).
-Nothing on the backward path asks which one it holds: it calls the
-backend's methods.  Two pointers name the backend in use, each moving once,
-from Python to native, never back:
-
-* the walker (:func:`graphscale._backward.decide.walker`): the native
-  backend as soon as the extension is loaded (NOTE [ No backward waits for
-  a compiler ] in ``_native/__init__.py``), which may be in the middle of a
-  backward; a plan is plain data, so a nested plan may come from the other
-  walker than its enclosing one;
-* the running state (:data:`graphscale._backward.running.state`): the
-  native backend once no backward runs on the Python one (NOTE [ One
-  running state, both routes ] in ``_native/registry.h``): a running
-  backward's registrations and bindings must be undone where they were made.
-
-The native route's one-call backward (``_routes/native.py``,
-the native ``top``) and the Python route (``_routes/python.py``) are
-the two implementations of "run a governed backward"; both read and write
-the running state through this interface.
 """
 from __future__ import annotations
 
@@ -40,17 +15,40 @@ from .._planner.request import PlanRequest
 
 __all__ = ["Plan", "Backend", "NESTED_IN_PYTHON"]
 
+# NOTE [ One interface, two backends ]
+# The Python backend (PythonBackend in _backward/python_backend.py, planning
+# with _planner/plan.py) is the reference; the native one
+# (_backward/native_backend.py, over the extension built from
+# graphscale/_native/) repeats it in C++, decision for decision
+# (docs/native-walker.md maps each Python function to its C++ twin).  Nothing
+# on the backward path asks which one it holds: it calls the backend's
+# methods.  Two pointers name the backend in use, each moving once, from
+# Python to native, never back:
+#   * the walker (walker() in _backward/decide.py): the native backend as
+#     soon as the extension is loaded, which may be in the middle of a
+#     backward; a plan is plain data, so a nested plan may come from the
+#     other walker than its enclosing one.
+#     (See NOTE [ No backward waits for a compiler ] in _native/__init__.py.)
+#   * the running state (state in _backward/running.py): the native backend
+#     once no backward runs on the Python one, since a running backward's
+#     registrations and bindings must be undone where they were made.
+#     (See NOTE [ One running state, both routes ] in _native/registry.h.)
+# The native route's one-call backward (_routes/native.py, the native top)
+# and the Python route (_routes/python.py) are the two implementations of
+# "run a governed backward"; both read and write the running state through
+# this interface.
+
 NESTED_IN_PYTHON = "python"  # Backend.nested_plan: look the enclosing plan up in Python (decide.plan_nested)
 
 
 class Plan(Protocol):
-    """A walked plan (NOTE [ Potentials ] in ``_planner/potentials.py``), as applying it
-    needs it: ``seeds`` (each root's potential, relative to ``base``), the
-    nodes walked, the multiplications it places (seeds included), ``base``
-    (the potential everything starts from: 1 at top level, the enclosing
-    potential when nested), the owned leaves and custom-Function nodes it
-    reached, how many unowned Parameters the policy looked at, and whether a
-    tensor hook was seen (False: no output hook can fire, nothing to bind)."""
+    """A walked plan, as applying it needs it: ``seeds`` (each root's
+    potential, relative to ``base``), the nodes walked, the multiplications it
+    places (seeds included), ``base`` (the potential everything starts from:
+    1 at top level, the enclosing potential when nested), the owned leaves
+    and custom-Function nodes it reached, how many unowned Parameters the
+    policy looked at, and whether a tensor hook was seen (False: no output
+    hook can fire, nothing to bind).  (See NOTE [ Potentials ] in _planner/potentials.py.)"""
 
     @property
     def seeds(self) -> Sequence[float]: ...
@@ -94,8 +92,8 @@ class Backend(Protocol):
     ``module`` is the native extension, or None for the Python backend (the
     native route's one-call backward needs the extension itself);
     ``binds_root_nodes``: whether :meth:`bound` puts a hook on root nodes,
-    which other backwards may share (NOTE [ Hooks on shared nodes ] in
-    ``_backward/sharing.py``: such a backward runs alone)."""
+    which other backwards may share, so such a backward runs alone.
+    (See NOTE [ Hooks on shared nodes ] in _native/hooks.h.)"""
 
     name: str
     module: Any
@@ -103,8 +101,8 @@ class Backend(Protocol):
 
     # ---- the walker
     def probe(self, roots: Sequence[Any], state: State) -> int:
-        """NOTE [ Fast path ] in ``_entry/entry.py``: a PROBE_* verdict or-ed
-        with PROBE_HIDDEN (``_planner/probe.py``)."""
+        """Before the fast path: a PROBE_* verdict or-ed with PROBE_HIDDEN
+        (``_planner/probe.py``).  (See NOTE [ Fast path ] in _entry/entry.py.)"""
         ...
 
     def plan(self, roots: Sequence[Any], request: PlanRequest) -> Plan:
@@ -116,16 +114,15 @@ class Backend(Protocol):
     # ---- the running state
     def binding(self, reading: Reading, potential: float | None, on_failure: list[Callable[[], None]] | None,
                 governor: Any) -> Any:
-        """A binding of ``reading`` (NOTE [ Which snapshot an output hook obeys ]
-        in ``_backward/running.py``): ``potential`` the one everything in an
+        """A binding of ``reading``: ``potential`` the one everything in an
         unplanned backward carries, from which nested ones are planned (by
         ``governor``, natively), or None; ``on_failure`` its top-level
-        backward's list (None: this thread's)."""
+        backward's list (None: this thread's).
+        (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py.)"""
         ...
 
     def reference_binding(self, reading: Reading) -> Any:
-        """The binding of a reference pass (NOTE [ Once per backward ] in
-        ``_backward/running.py``)."""
+        """The binding of a reference pass.  (See NOTE [ Once per backward ] in _backward/running.py.)"""
         ...
 
     def bound(self, roots: tuple[Any, ...], binding: Any) -> AbstractContextManager[tuple[Any, ...]]:

@@ -95,8 +95,8 @@ class BackwardCall(NamedTuple):
     def run(self, binding: Any, seeds: Any = None, laps: Laps | None = None) -> None:
         """The original backward, with ``seeds`` in place of the given seeds if
         not None, its graph task bound to ``binding`` if not None
-        (:func:`_running.binding_for`; NOTE [ Which snapshot an output hook
-        obeys ] in _backward/running.py)."""
+        (:func:`_running.binding_for`).
+        (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py.)"""
         if binding is None or self.roots is None:
             if laps:
                 laps("bind")  # nothing to bind: the lap closes what came before, as below

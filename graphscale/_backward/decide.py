@@ -1,16 +1,10 @@
-"""What a backward does, asked of the walker (NOTE [ One interface, two
-backends ] in _backward/backend.py).
-
-* :func:`decide`: what a top-level backward does (left alone, the fast path,
-  or a plan); :func:`graphscale.explain` asks the same function;
-* :func:`probe`: before the fast path, walk only until the answer is known;
-* :func:`walker`: the one place that chooses the planner: native when the
-  extension is loaded, else the Python reference (``_planner/plan.py``);
-* :func:`plan_backward`: the plan of a request, by the walker; both give the
-  same plan;
-* :func:`plan_nested`: a backward nested in a running one (NOTE [ Nested
-  backward ] in _entry/entry.py), found through the one running state
-  (NOTE [ One running state, both routes ] in _native/registry.h).
+"""What a backward does, asked of the walker: :func:`decide` (left alone, the
+fast path, or a plan; :func:`graphscale.explain` asks it too), :func:`probe`
+(walk only until the answer is known), :func:`walker` (the one place that
+chooses the planner: native once the extension is loaded, else the Python
+reference, ``_planner/plan.py``), :func:`plan_backward` (a request's plan;
+both walkers give the same) and :func:`plan_nested` (a backward nested in a
+running one, found through the one running state).
 """
 from __future__ import annotations
 
@@ -35,9 +29,8 @@ __all__ = [
 
 def walker() -> Backend:
     """The backend that probes and plans: the native one as soon as the
-    extension is loaded ($GRAPHSCALE_WALKER, NOTE [ No backward waits for a
-    compiler ] in _native/__init__.py), else the Python one (NOTE [ One
-    interface, two backends ] in _backward/backend.py)."""
+    extension is loaded ($GRAPHSCALE_WALKER), else the Python one.
+    (See NOTE [ One interface, two backends ] in _backward/backend.py.)"""
     module = _native.load()
     if module is None:
         return _running.PYTHON
@@ -46,22 +39,22 @@ def walker() -> Backend:
 
 
 def probe(roots: Sequence[Any], state: State) -> tuple[int, bool]:
-    """Before the fast path (NOTE [ Fast path ] in _entry/entry.py): (verdict,
-    hidden).  PROBE_NO_OWNED when a backward of ``roots`` reaches no owned
+    """Before the fast path: (verdict, hidden).  PROBE_NO_OWNED when a backward of ``roots`` reaches no owned
     leaf the walk can see, PROBE_FAST when multiplying its seeds by the one
     factor in play is exact under the state's policy, PROBE_PLAN when
     unowned leaves the policy protects are reached too; ``hidden``: a
     custom-Function node was seen, which may run a nested backward over
     leaves no walk can see (reentrant checkpointing).  Walks only until the
     answer is known (under "any" it may stop before a custom-Function node:
-    that policy needs no nested plan inside a fast-path backward)."""
+    that policy needs no nested plan inside a fast-path backward).
+    (See NOTE [ Fast path ] in _entry/entry.py.)"""
     code = walker().probe(roots, state)
     return code & 3, bool(code & PROBE_HIDDEN)
 
 
 def fast_path_factor(factors: Mapping[Group, float]) -> float | None:
     """The one factor in play (1.0 when none), or None when several are and
-    the backward must plan (NOTE [ Fast path ])."""
+    the backward must plan."""
     distinct = set(factors.values())
     if len(distinct) > 1:
         return None
@@ -75,8 +68,8 @@ class Decision(NamedTuple):
     """What a top-level backward does: ``kind`` (UNTOUCHED, FAST_PATH or
     PLANNED), the one ``factor`` of the fast path, the ``plan`` when planned,
     and ``nested``: the potential from which a backward nested in an
-    unplanned one must be planned (custom-Function nodes may hide leaves;
-    NOTE [ Fast path ]), or None."""
+    unplanned one must be planned (custom-Function nodes may hide leaves), or
+    None."""
 
     kind: str
     factor: float = 1.0
@@ -96,7 +89,7 @@ def decide(roots: Sequence[Any], reading: Reading, inputs: tuple[Any, ...],
             return Decision(UNTOUCHED)  # every factor 1: nothing to do, nested or not
         verdict, hidden = probe(roots, state)
         if verdict == PROBE_NO_OWNED and not hidden:
-            return Decision(UNTOUCHED)  # NOTE [ Unowned leaves ]: not graphscale's backward
+            return Decision(UNTOUCHED)  # not graphscale's backward: NOTE [ Unowned leaves ]
         if verdict == PROBE_NO_OWNED and seeds_carry_nothing:
             return Decision(UNTOUCHED, nested=1.0)  # owned leaves may hide behind a custom Function
         if verdict == PROBE_FAST:
@@ -132,14 +125,13 @@ def _nested_request(reading: Reading, p: float, inputs: tuple[Any, ...]) -> Plan
 
 
 def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[Reading, Any] | None:
-    """Plan a backward called from inside ``current``'s backward (NOTE [
-    Nested backward ] in _entry/entry.py): find the running plan that walked
-    ``current`` and plan ``roots`` from its potential, with its reading; or,
-    where none did, inside a backward that left the nested ones to be planned
-    (NOTE [ Fast path ]: its task is bound with the potential everything in it
-    carries), from that potential.  Returns (the reading, the plan), or None
-    inside a backward that left them alone (ungoverned, or a fast path under
-    "any")."""
+    """Plan a backward called from inside ``current``'s backward: find the
+    running plan that walked ``current`` and plan ``roots`` from its
+    potential, with its reading; or, where none did, inside a backward that
+    left the nested ones to be planned (its task is bound with the potential
+    everything in it carries), from that potential.  Returns (the reading,
+    the plan), or None inside a backward that left them alone (ungoverned, or
+    a fast path under "any").  (See NOTE [ Nested backward ] in _entry/entry.py.)"""
     if not inputs:
         found = _running.state.nested_plan(current, tuple(roots))  # natively: the one lookup, and the plan
         if found is None or found.__class__ is tuple:
@@ -154,7 +146,7 @@ def plan_nested(current: Any, roots: Sequence[Any], inputs: tuple[Any, ...]) -> 
 
 def _plan_in_task(roots: Sequence[Any], inputs: tuple[Any, ...]) -> tuple[Reading, Any] | None:
     """A nested backward inside a backward with no plan that bound its task
-    with the potential everything in it carries (NOTE [ Fast path ])."""
+    with the potential everything in it carries."""
     binding = _running.task_binding()
     if binding is None or binding.potential is None:
         return None

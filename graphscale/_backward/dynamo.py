@@ -1,5 +1,17 @@
 """graphscale and torch's dynamo: every module of graphscale but the Python
 route's node hook (``_routes/hooks.py``) is on dynamo's skip list.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import pkgutil
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["keep_out", "TRACED", "eager"]
 
 # NOTE [ graphscale is not traced by dynamo ]
 # Inside a torch.compile'd function (a training step with its backward in
@@ -18,30 +30,18 @@ route's node hook (``_routes/hooks.py``) is on dynamo's skip list.
 # not imported yet at install(), a finder on sys.meta_path waits for
 # torch._dynamo.trace_rules and adds the modules right after it is loaded,
 # then takes itself off.
-"""
-from __future__ import annotations
-
-import importlib.abc
-import logging
-import pkgutil
-import sys
-import threading
-from collections.abc import Sequence
-from typing import Any
-
-__all__ = ["keep_out", "TRACED", "eager"]
 
 _log = logging.getLogger("graphscale")
 _TRACE_RULES = "torch._dynamo.trace_rules"
-# what dynamo may trace (NOTE [ graphscale is not traced by dynamo ])
+# what dynamo may trace: the Python route's edge multiplier
 TRACED = frozenset({"graphscale._routes.hooks"})
 _lock = threading.Lock()
 _state: dict[str, Any] = {"done": False, "finder": None}
 
 
 def keep_out() -> None:
-    """NOTE [ graphscale is not traced by dynamo ]: now if dynamo is loaded,
-    else as soon as it is.  Idempotent; cheap after the first call."""
+    """Put graphscale on dynamo's skip list: now if dynamo is loaded, else as
+    soon as it is.  Idempotent; cheap after the first call."""
     if _state["done"]:
         return
     with _lock:
@@ -107,7 +107,7 @@ class _AfterTraceRules(importlib.abc.MetaPathFinder):
 # ---------------------------------------------------------------- under compiled autograd
 def eager(fn: Any) -> Any:
     """``fn`` run with dynamo off for its whole extent (compiled autograd is on,
-    so dynamo is imported): NOTE [ Under compiled autograd ] in _adapters/deepspeed/compiled.py."""
+    so dynamo is imported).  (See NOTE [ Under compiled autograd ] in _adapters/deepspeed/compiled.py.)"""
     import torch
 
     return torch._dynamo.disable(fn)

@@ -25,8 +25,8 @@ __all__ = ["checkpoint_hint", "checkpoint_hint_positions"]
 # nn.Module (or a bound method of one) all of whose owned parameters belong to
 # one group, the outer plan pins the node to that group's factor, so the
 # nested plan, starting from that base, has nothing to multiply.  A hint only
-# chooses a potential (any choice is exact, NOTE [ Potentials ]), so a wrong
-# or stale hint costs multiplications, never correctness.  Hence a module's
+# chooses a potential, and any choice is exact, so a wrong or stale hint costs
+# multiplications, never correctness (see NOTE [ Potentials ]).  Hence a module's
 # parameters are read once, at its first hint, and kept (by id, weakly keyed
 # by the module) across installations: reading them is most of a hint's cost,
 # and a backward right after install() would pay it for every checkpointed
@@ -55,7 +55,7 @@ def _hint_group(state: State, fn: Any) -> Group | None:
         fn = getattr(fn, "__self__", None)
         if not isinstance(fn, torch.nn.Module):
             return None
-    cache = state.tables.hints  # NOTE [ Per-snapshot tables ]
+    cache = state.tables.hints  # once per snapshot: NOTE [ Per-snapshot tables ]
     hit = cache.get(id(fn))
     if hit is not None and hit[0]() is fn:
         return hit[1]
@@ -71,7 +71,7 @@ def _hint_group(state: State, fn: Any) -> Group | None:
 
 
 def checkpoint_hint(reading: Reading) -> Callable[[Any], float | None]:
-    """The hint of NOTE [ Checkpoint hints ] for one backward's reading:
+    """The checkpoint hint for one backward's reading:
     ``hint(node)`` is a potential for a custom-Function node, or None."""
     state, factors = reading.state, reading.factors
 
@@ -83,7 +83,7 @@ def checkpoint_hint(reading: Reading) -> Callable[[Any], float | None]:
 
 
 def checkpoint_hint_positions(state: State) -> Callable[[Any], int | None]:
-    """NOTE [ Checkpoint hints ] for the native route, once per snapshot:
+    """The checkpoint hint for the native route, once per snapshot:
     ``hint(node)`` is the position in ``state.groups`` of the group whose
     factor a custom-Function node is pinned to, or None (the native side
     reads the factor of that position from the backward's own reading)."""

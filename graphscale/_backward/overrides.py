@@ -2,26 +2,6 @@
 a ``__torch_function__`` override may see: twins whose override hands the
 override torch's own function, not graphscale's.  Imports nothing of
 graphscale.
-
-NOTE [ An override sees torch's own backward ]
-``torch.autograd.backward`` and ``torch.autograd.grad`` ask
-``__torch_function__`` before they run (a TorchFunctionMode that is on, or
-a root or input of a tensor subclass): ``handle_torch_function(backward,
-...)`` hands the override the function torch.autograd's global ``backward``
-names, which is graphscale's entry while graphscale is installed.  The
-override calls it (the usual one records, then calls ``func(*args)``), so
-the call came back into graphscale inside the call graphscale was handing
-to torch: governed a second time, or waiting for the hook lock its own
-outer call held.  The process hung (a TorchFunctionMode around
-``torch.autograd.backward(loss)`` with two groups, tests/test_engine_call.py).
-So such a call is handed to a twin of torch's function (:func:`own`): the
-same code, whose global ``backward`` (``grad``) is torch's own function and
-whose other globals are torch.autograd's, read live at each lookup.  The
-override sees, and calls, what it would without graphscale, and that call
-runs as torch's.  Only a call an override may see takes the twin
-(:func:`overridable`): a twin's global reads are Python calls.  A function
-that is not torch's own (another library's wrapper) is its own twin: it is
-called as it is.
 """
 from __future__ import annotations
 
@@ -31,6 +11,25 @@ from typing import Any, Callable, Iterable
 import torch
 
 __all__ = ["own", "overridable"]
+
+# NOTE [ An override sees torch's own backward ]
+# torch.autograd.backward and torch.autograd.grad ask __torch_function__
+# before they run (a TorchFunctionMode that is on, or a root or input of a
+# tensor subclass): handle_torch_function(backward, ...) hands the override
+# the function torch.autograd's global ``backward`` names, which is
+# graphscale's entry while graphscale is installed.  The override calls it
+# (the usual one records, then calls func(*args)), so the call came back into
+# graphscale inside the call graphscale was handing to torch: governed a
+# second time, or waiting for the hook lock its own outer call held.  The
+# process hung (a TorchFunctionMode around torch.autograd.backward(loss) with
+# two groups, tests/test_engine_call.py).  So such a call is handed to a twin
+# of torch's function (own): the same code, whose global ``backward``
+# (``grad``) is torch's own function and whose other globals are
+# torch.autograd's, read live at each lookup.  The override sees, and calls,
+# what it would without graphscale, and that call runs as torch's.  Only a
+# call an override may see takes the twin (overridable): a twin's global
+# reads are Python calls.  A function that is not torch's own (another
+# library's wrapper) is its own twin: it is called as it is.
 
 
 class _TorchAutogradNames(dict):  # type: ignore[type-arg]
@@ -43,8 +42,8 @@ class _TorchAutogradNames(dict):  # type: ignore[type-arg]
 
 def own(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """The twin of torch.autograd's ``fn`` (``name``: "backward" or "grad")
-    that hands an override ``fn`` itself: NOTE [ An override sees torch's own
-    backward ].  ``fn`` itself where it is not torch's own function."""
+    that hands an override ``fn`` itself; ``fn`` itself where it is not
+    torch's own function."""
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None or code.co_name != name or \
             fn.__globals__ is not vars(torch.autograd):

@@ -1,16 +1,7 @@
 """Backwards that share nodes: the one lock that lets a backward change a
-node's hooks while no other backward runs over it (NOTE [ Hooks on shared
-nodes ] in ``_native/hooks.h``, where the native route takes it).
-
-Every top-level backward graphscale sees holds the lock while torch runs it:
-shared where it changes no node another backward may run, exclusive where
-it does (edge multipliers on nodes; the Python binding's pre-hook on a root
-node, ``running.bound`` without the native module).  While graphscale is
-installed, ``torch.autograd.grad`` is wrapped to hold it shared too
-(:func:`governed_grad`), so an ungoverned ``autograd.grad`` over a graph a
-governed backward is hooking waits for it.  The native module keeps the
-lock once it is loaded; until then this module keeps one of its own with the
-same rules, and :func:`use_native` switches only while no one holds it.
+node's hooks while no other backward runs over it, and ``torch.autograd.grad``
+wrapped to hold it too.  The native route takes the same lock: see
+NOTE [ Hooks on shared nodes ] in _native/hooks.h.
 """
 from __future__ import annotations
 
@@ -26,6 +17,16 @@ __all__ = ["hold", "use_native", "governed_grad", "wrap_grad", "ORIGINAL_GRAD", 
 
 ORIGINAL_GRAD: Callable[..., Any] = torch.autograd.grad
 ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward  # as torch defined it (call.py runs it)
+
+# Every top-level backward graphscale sees holds the lock while torch runs it:
+# shared where it changes no node another backward may run, exclusive where it
+# does (edge multipliers on nodes; the Python binding's pre-hook on a root
+# node, running.bound without the native module).  While graphscale is
+# installed, torch.autograd.grad is wrapped to hold it shared too
+# (governed_grad), so an ungoverned autograd.grad over a graph a governed
+# backward is hooking waits for it.  The native module keeps the lock once it
+# is loaded; until then this module keeps one of its own with the same rules
+# (_Lock), and use_native switches only while no one holds it.
 
 
 class _Lock:
@@ -122,7 +123,7 @@ def use_native(module: Any, switch: Callable[[], None]) -> bool:
 
 
 _grad_before: Callable[..., Any] = ORIGINAL_GRAD  # what torch.autograd.grad was when wrap_grad() ran
-_grad_own: Callable[..., Any] = own(ORIGINAL_GRAD, "grad")  # its twin (NOTE [ An override sees torch's own backward ])
+_grad_own: Callable[..., Any] = own(ORIGINAL_GRAD, "grad")  # its twin: NOTE [ An override sees torch's own backward ]
 
 
 @functools.wraps(ORIGINAL_GRAD)

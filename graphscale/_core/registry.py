@@ -1,26 +1,10 @@
 """The adapter registry: how the core asks about objects it does not know.
 
-graphscale's core (groups, snapshots, planning, the governed backward) knows
-autograd and nothing else.  What a training framework changes about a
-backward (DeepSpeed divides by GAS at its output hooks; FSDP2's backward
-reaches unsharded parameters in place of a module's own) is known to one
-adapter each, a subclass of :class:`Adapter` that its module defines and
-:func:`register` s at import (``graphscale/__init__.py`` imports them).  The
-core asks the fan-out functions below, never an adapter module.  Every
-method defaults to "not mine / nothing to do", so an adapter overrides only
-what its framework needs.  This module imports nothing of graphscale.
-
-A third adapter is one new file with one ``register(...)`` call, and one
-import line in ``graphscale/__init__.py``.
-
-# NOTE [ Asking adapters ]
-# The registry is a tuple replaced whole at register() (import time) and read
-# without a lock.  Questions asked once per install or per snapshot
-# (group_type, attach, backward_leaves, hook_owner, audit_*) fan out to every
-# adapter; the one asked inside a backward (output_hooked, per root tensor
-# that carries hooks) does too, and each adapter answers it from the tensor
-# alone.  The first adapter with an answer wins; adapters do not overlap
-# (each recognises its own framework's types).
+What a training framework changes about a backward (DeepSpeed divides by GAS
+at its output hooks; FSDP2's backward reaches unsharded parameters in place
+of a module's own) is known to one adapter each, a subclass of
+:class:`Adapter` that :func:`register` s at import; the core asks the fan-out
+functions below, never an adapter module.  Imports nothing of graphscale.
 """
 from __future__ import annotations
 
@@ -32,6 +16,15 @@ __all__ = [
     "Adapter", "register", "registered", "group_type", "attach", "observe", "backward_leaves", "hook_owner",
     "output_hooked", "audit_refusal", "audit_replay", "audit_scale", "audit_window", "environment",
 ]
+
+# NOTE [ Asking adapters ]
+# The registry is a tuple replaced whole at register() (import time) and read
+# without a lock.  Questions asked once per install or per snapshot
+# (group_type, attach, backward_leaves, hook_owner, audit_*) fan out to every
+# adapter; the one asked inside a backward (output_hooked, per root tensor
+# that carries hooks) does too, and each adapter answers it from the tensor
+# alone.  The first adapter with an answer wins; adapters do not overlap
+# (each recognises its own framework's types).
 
 Leaf = Any  # a torch.Tensor; this module imports nothing (not even torch)
 
@@ -71,8 +64,8 @@ class Adapter:
 
     def hook_owner(self, group: Any) -> Any:
         """The object whose output hooks run inside a backward through
-        ``group`` and must obey the backward's snapshot (NOTE [ Which snapshot
-        an output hook obeys ] in _backward/running.py), or None."""
+        ``group`` and must obey the backward's snapshot, or None.
+        (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py.)"""
         return None
 
     def output_hooked(self, tensor: Leaf) -> bool:
@@ -92,8 +85,8 @@ class Adapter:
     def audit_replay(self, group: Any) -> str | None:
         """Why the audit's plain reference for ``group`` cannot be a second
         pass over the backward's own graph, so that it must come from the
-        micro-step's forward called once more (NOTE [ Audit by replay ] in
-        _tools/replay.py): a sentence naming the group; or None."""
+        micro-step's forward called once more: a sentence naming the group;
+        or None.  (See NOTE [ Audit by replay ] in _tools/replay.py.)"""
         return None
 
     def audit_scale(self, group: Any) -> float:
@@ -104,14 +97,14 @@ class Adapter:
     def audit_window(self, group: Any) -> Any:
         """How the framework accumulates ``group``'s gradients over a window
         of backwards and reduces them across ranks at its end, for the
-        audit's reduced-gradient check (NOTE [ Audit at the boundary ] in
-        _tools/audit_windows.py): an object with ``steps()`` (a count that grows
+        audit's reduced-gradient check: an object with ``steps()`` (a count that grows
         at every optimizer step), ``starts()`` (no gradient is accumulated
         now), ``boundary()`` (the next backward ends a window),
         ``after_reduction(fn)`` (run ``fn`` once the framework has reduced;
         False if it cannot), ``reduced(p)`` (the reduced gradient of ``p``)
         and ``average(t)`` (``t`` averaged over the ranks that reduce, in
-        place, a collective); or None: nothing is reduced."""
+        place, a collective); or None: nothing is reduced.
+        (See NOTE [ Audit at the boundary ] in _tools/audit_windows.py.)"""
         return None
 
 
@@ -120,7 +113,11 @@ _adapters: tuple[Adapter, ...] = ()
 
 
 def register(adapter: Adapter) -> Adapter:
-    """Add ``adapter`` to the registry (once; registering it again does nothing); returns it."""
+    """Add ``adapter`` to the registry (once; registering it again does nothing); returns it.
+
+    A third adapter is one new file in ``graphscale/_adapters/`` with one
+    ``register(...)`` call, and one import line in ``graphscale/__init__.py``
+    (which imports the adapters)."""
     global _adapters
     with _lock:
         if adapter not in _adapters:

@@ -1,25 +1,5 @@
 """The torch and DeepSpeed releases graphscale was tested with, and the one
 warning a newer release gets.
-
-# NOTE [ Newer releases ]
-# pyproject.toml bounds torch and DeepSpeed from below only: the oldest
-# releases the suite ran on.  An upper cap would lock out a user on a release
-# newer than any graphscale was tested with (a resolver conflict, or a
-# downgrade of their torch); instead such a release installs, gets ONE
-# warning per process naming it, and the install-time self-tests decide:
-#   * torch: the self-test (NOTE [ The native route's self-test ] in
-#     _routes/selftest.py) runs a tiny graph with a nested backward through each route
-#     against the plain oracle.  The Python route runs it at the first
-#     install() of a process; if it fails, that install() and every later one
-#     raise GraphscaleError naming torch's version and the failing piece (the
-#     Python route is the reference everything falls back to).  If only the
-#     native route fails, it is switched off with one warning and every
-#     backward takes the Python route.
-#   * DeepSpeed: the drift checks (NOTE [ DeepSpeed drift ] in
-#     _adapters/deepspeed/checks.py) refuse, at install(), an engine whose DeepSpeed
-#     changed an internal graphscale relies on, naming the piece.
-# Exact, or refused with the piece named: never a resolver conflict, never
-# silently wrong.  NEWEST_TESTED moves when CI runs a newer release.
 """
 from __future__ import annotations
 
@@ -28,6 +8,26 @@ import threading
 import warnings
 
 __all__ = ["NEWEST_TESTED", "newer_than_tested", "warn_if_newer"]
+
+# NOTE [ Newer releases ]
+# pyproject.toml bounds torch and DeepSpeed from below only: the oldest
+# releases the suite ran on.  An upper cap would lock out a user on a release
+# newer than any graphscale was tested with (a resolver conflict, or a
+# downgrade of their torch); instead such a release installs, gets ONE
+# warning per process naming it, and the install-time self-tests decide:
+#   * torch: the self-test runs a tiny graph with a nested backward through
+#     each route against the plain oracle.  The Python route runs it at the
+#     first install() of a process; if it fails, that install() and every
+#     later one raise GraphscaleError naming torch's version and the failing
+#     piece (the Python route is the reference everything falls back to).  If
+#     only the native route fails, it is switched off with one warning and
+#     every backward takes the Python route.
+#     (See NOTE [ The native route's self-test ] in _routes/selftest.py.)
+#   * DeepSpeed: the drift checks refuse, at install(), an engine whose
+#     DeepSpeed changed an internal graphscale relies on, naming the piece.
+#     (See NOTE [ DeepSpeed drift ] in _adapters/deepspeed/checks.py.)
+# Exact, or refused with the piece named: never a resolver conflict, never
+# silently wrong.  NEWEST_TESTED moves when CI runs a newer release.
 
 NEWEST_TESTED = {"torch": "2.14.1", "DeepSpeed": "0.19.8"}  # the newest each CI stage runs (.ci/run)
 
@@ -50,7 +50,7 @@ def newer_than_tested(name: str, version: str) -> bool:
 
 def warn_if_newer(name: str, version: str, decides: str, stacklevel: int = 3) -> bool:
     """Warn once per process and version if ``version`` of ``name`` is newer
-    than tested (NOTE [ Newer releases ]); ``decides`` says what decides
+    than tested; ``decides`` says what decides
     whether it is governed.  Returns whether it is newer."""
     if not newer_than_tested(name, version):
         return False

@@ -1,24 +1,10 @@
 """What is installed: the immutable snapshot every backward reads once.
 
 * :class:`State`: the installed groups, who owns which leaf, the unowned
-  policy; made by :meth:`State.of` (the one constructor, used by ``install``
-  and ``explain``) and published by ``install``/``remove``
+  policy; made by :meth:`State.of`, published by ``install``/``remove``
   (:func:`set_current`; read as :data:`installed` or :func:`current`);
-* :class:`Reading`: a snapshot with the factors one backward read from it,
-  the pair everything that plans or applies a backward carries;
+* :class:`Reading`: a snapshot with the factors one backward read from it;
 * :class:`Tables`: what a backward needs that depends only on the snapshot.
-
-# NOTE [ Per-snapshot tables ]
-# A State lives from one install()/remove() to the next, through many
-# backwards, so whatever a backward needs that depends only on what is
-# installed is made once per State, never per backward: the owner map, the
-# set of objects whose output hooks obey governed backwards (the DeepSpeed
-# adapter's O(1) test in its per-tensor hook), the native walker's owner
-# table (native_owners in _backward/native_backend.py; built at install when the extension is
-# loaded already, else at the first walked backward) and the checkpoint hints
-# (NOTE [ Checkpoint hints ] in _backward/hints.py).  They are the fields of Tables.
-# Factors are not among them: a gas callable is read at the start of every
-# top-level backward.
 """
 from __future__ import annotations
 
@@ -49,8 +35,8 @@ __all__ = ["UNOWNED_POLICIES", "check_policy", "strictest", "State", "Reading", 
 #   "plain": every unowned leaf exactly its plain gradient.
 #   "any": every unowned leaf g times one factor graphscale chooses (1 or one
 #       in play, never a mixture): the cheapest, opt-in.
-# The fast path (one factor in play) first walks until it knows the answer
-# (NOTE [ Fast path ] in _entry/entry.py).  The index of a policy in
+# The fast path (one factor in play) first walks until it knows the answer.
+# (See NOTE [ Fast path ] in _entry/entry.py.)  The index of a policy in
 # UNOWNED_POLICIES is what the native walker takes.
 UNOWNED_POLICIES = ("any", "plain_params", "plain")
 _RENAMED = {"raw": "plain"}
@@ -81,8 +67,8 @@ def _owner_map(groups: Iterable[Group]) -> dict[int, Group]:
 def _adapter_leaves(groups: Iterable[Group], owner: dict[int, Group]) -> tuple[
         dict[int, tuple[torch.Tensor, str]], tuple[Callable[[], bool], ...]]:
     """The leaves adapters say the groups' backwards reach in place of their
-    parameters (NOTE [ FSDP2's backward leaves ] in _adapters/fsdp.py), added to
-    ``owner`` (id -> (leaf, name)), and the checks of those not made yet."""
+    parameters, added to ``owner`` (id -> (leaf, name)), and the checks of
+    those not made yet.  (See NOTE [ FSDP2's backward leaves ] in _adapters/fsdp.py.)"""
     leaves, pending = _registry.backward_leaves(groups, lambda g, p: owner.get(id(p)) is g)
     extra: dict[int, tuple[torch.Tensor, str]] = {}
     for g, leaf, name in leaves:
@@ -107,8 +93,20 @@ def strictest(policies: Iterable[str]) -> str:
     return UNOWNED_POLICIES[max((UNOWNED_POLICIES.index(p) for p in policies), default=1)]
 
 
+# NOTE [ Per-snapshot tables ]
+# A State lives from one install()/remove() to the next, through many
+# backwards, so whatever a backward needs that depends only on what is
+# installed is made once per State, never per backward: the owner map, the
+# set of objects whose output hooks obey governed backwards (the DeepSpeed
+# adapter's O(1) test in its per-tensor hook), the native walker's owner
+# table (native_owners in _backward/native_backend.py; built at install when
+# the extension is loaded already, else at the first walked backward) and the
+# checkpoint hints (see NOTE [ Checkpoint hints ] in _backward/hints.py).
+# They are the fields of Tables.  Factors are not among them: a gas callable
+# is read at the start of every top-level backward.
 class Tables:
-    """NOTE [ Per-snapshot tables ]: made lazily, once per snapshot.
+    """What a backward needs that depends only on the snapshot, made lazily,
+    once per snapshot.
 
     ``hints``: id(module) -> (weak reference to it, the one group owning its
     parameters or None), for checkpoint hints.  ``native_owners``: (the native
@@ -130,7 +128,7 @@ class State:
 
     Make one with :meth:`State.of`.  ``owner`` maps ``id(leaf)`` to its group
     (the groups keep the leaves alive); ``policy``: what unowned leaves get
-    (NOTE [ Unowned leaves ]); ``extra``: leaves owned through an adapter
+    (UNOWNED_POLICIES); ``extra``: leaves owned through an adapter
     (held here), ``pending``: checks of such leaves not made yet.
     """
 
@@ -139,7 +137,7 @@ class State:
     policy: str
     extra: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict, repr=False, compare=False)
     pending: tuple[Callable[[], bool], ...] = field(default=(), repr=False, compare=False)
-    # Derived from the above, once (NOTE [ Per-snapshot tables ]).
+    # Derived from the above, once: the per-snapshot tables.
     hook_owners: frozenset[int] = field(init=False, repr=False, compare=False)  # id() of, see _registry.hook_owner
     tables: Tables = field(init=False, repr=False, compare=False)
     # The policy as the native walker takes it (its index in UNOWNED_POLICIES);
@@ -192,7 +190,7 @@ class State:
 
     def ready(self) -> State:
         """This snapshot, or a new one that owns the adapter leaves made since
-        (NOTE [ FSDP2's backward leaves ]), published if this one is still current."""
+        (FSDP2's unsharded parameters), published if this one is still current."""
         if not self.pending or not any(made() for made in self.pending):
             return self
         fresh = State.of(self.groups, self.policy)

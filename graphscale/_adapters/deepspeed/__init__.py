@@ -1,34 +1,10 @@
-"""DeepSpeed adapter: the only modules that know about deepspeed are this one
-and the modules beside it: ``_adapters/deepspeed/engine.py`` (what graphscale
-changes on an engine: NOTE [ DeepSpeed's two generations ], NOTE [ One
-lifecycle per backward ]), ``_adapters/deepspeed/failed.py`` (NOTE [ An aborted
-backward counts for nothing ]), ``_adapters/deepspeed/checks.py`` (NOTE [ DeepSpeed drift ]),
-``_adapters/deepspeed/compiled.py`` (NOTE [ Under compiled autograd ]),
-``_adapters/deepspeed/watch.py`` (the diagnosis' watch of an engine),
-``_adapters/deepspeed/hooks.py`` and ``_adapters/deepspeed/reads.py``; none
-imports deepspeed: they read ``sys.modules``.  This one defines an engine's
-group and registers the adapter with graphscale's registry
-(``_core/registry.py``) at import.
-
-# NOTE [ fp16 engines ]
-# An fp16 engine's optimizer expects its gradients multiplied by its own
-# loss scale (it unscales by it, and checks them for overflow).  DeepSpeed
-# multiplies the whole loss by the scale of the engine whose backward (or
-# scale()) is called, so in one loss over two fp16 engines the other
-# engine's gradients carry the wrong scale once the dynamic scales differ.
-# graphscale places loss_scale(G) x factor(G) at each engine's boundary
-# (EngineGroup.pin, which reads and changes nothing) and strips what the seed
-# already carries:
-#   * engine.backward(loss): DeepSpeed scales the loss by the calling
-#     engine's scale before backward; the adapter says so
-#     (adapter_backward(carries=...)), and the plan divides it out;
-#   * engine.scale(loss).backward(): the adapter's scale() tags the scaled
-#     loss with the scale it applied (_backward/frames.py CARRIES_ATTR), stripped alike;
-#   * loss.backward() directly: nothing to strip; graphscale applies every
-#     engine's scale, and tells DeepSpeed that this direct backward was
-#     scaled (its check at the epilogue would otherwise refuse it) when the
-#     engine's prologue runs in it (_EngineAdapter.prologue_starts).
-# bf16 and fp32 engines have scale 1: nothing changes for them.
+"""The DeepSpeed adapter: an engine's group (:class:`EngineGroup`, with its fp16
+loss scale), registered with graphscale's adapter registry (``_core/registry.py``)
+at import.  Only this folder knows about deepspeed, and none of it imports it:
+it reads ``sys.modules``.  Beside this module: ``engine.py`` (what graphscale
+changes on an engine), ``failed.py`` (an engine's part of a backward that
+raised), ``checks.py`` (the drift checks), ``compiled.py`` (compiled autograd),
+``watch.py`` (the diagnosis' watch), ``hooks.py`` and ``reads.py``.
 """
 from __future__ import annotations
 
@@ -49,6 +25,26 @@ from .reads import is_engine, scale_reader, scale_source
 from .watch import observe
 
 __all__ = ["EngineGroup", "loss_scale", "ADAPTER"]
+
+# NOTE [ fp16 engines ]
+# An fp16 engine's optimizer expects its gradients multiplied by its own
+# loss scale (it unscales by it, and checks them for overflow).  DeepSpeed
+# multiplies the whole loss by the scale of the engine whose backward (or
+# scale()) is called, so in one loss over two fp16 engines the other
+# engine's gradients carry the wrong scale once the dynamic scales differ.
+# graphscale places loss_scale(G) x factor(G) at each engine's boundary
+# (EngineGroup.pin, which reads and changes nothing) and strips what the seed
+# already carries:
+#   * engine.backward(loss): DeepSpeed scales the loss by the calling
+#     engine's scale before backward; the adapter says so
+#     (adapter_backward(carries=...)), and the plan divides it out;
+#   * engine.scale(loss).backward(): the adapter's scale() tags the scaled
+#     loss with the scale it applied (_backward/frames.py CARRIES_ATTR), stripped alike;
+#   * loss.backward() directly: nothing to strip; graphscale applies every
+#     engine's scale, and tells DeepSpeed that this direct backward was
+#     scaled (its check at the epilogue would otherwise refuse it) when the
+#     engine's prologue runs in it (_EngineAdapter.prologue_starts).
+# bf16 and fp32 engines have scale 1: nothing changes for them.
 
 
 def _is_pipeline(engine: Any) -> bool:
@@ -107,7 +103,7 @@ class EngineGroup(Group):
             super().__init__(engine.module, factor=factor, name=name)
             self._factor_key = ("engine", id(engine), self._factor_key)
         self.engine: Any = engine
-        self._scale = scale_source(engine)  # pin() multiplies the loss scale in (NOTE [ fp16 engines ])
+        self._scale = scale_source(engine)  # pin() multiplies the loss scale in: NOTE [ fp16 engines ]
 
 # ---------------------------------------------------------------- the registered adapter
 class _DeepSpeedAdapter(_registry.Adapter):

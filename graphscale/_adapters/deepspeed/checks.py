@@ -1,9 +1,25 @@
-"""What the DeepSpeed adapter relies on, checked before it touches anything.
+"""What the DeepSpeed adapter relies on in DeepSpeed's internals, checked
+before it touches anything: a release that changed one is refused at
+``install()``.  Part of the DeepSpeed adapter; reads ``sys.modules``.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..._core.errors import GraphscaleError
+from ..._core.releases import NEWEST_TESTED, warn_if_newer
+
+__all__ = ["check_engine", "check_installed", "TESTED"]
 
 # NOTE [ DeepSpeed drift ]
-# graphscale governs engines through DeepSpeed internals (NOTE [ DeepSpeed's
-# two generations ], NOTE [ One lifecycle per backward ], NOTE [ fp16
-# engines ] in _adapters/deepspeed/__init__.py).  A DeepSpeed release that renames or changes
+# graphscale governs engines through DeepSpeed internals: the output-hook
+# manager's flags, the engine methods it shadows, the per-tensor GAS division,
+# where the fp16 loss scale lives.  A DeepSpeed release that renames or changes
 # one of them must be refused at install(), not absorbed into a silently
 # wrong gradient.  So before an engine is governed:
 #   * once per hook-manager class, a self-test on a throwaway manager over a
@@ -23,20 +39,6 @@
 #     the fp16 scale, as PR 8393 would for ZeRO 0, fails here).
 # Each failure is a GraphscaleError naming the DeepSpeed version, the piece
 # and what to do; no engine of that install() is touched.
-"""
-from __future__ import annotations
-
-import inspect
-import sys
-import threading
-from typing import Any, Callable
-
-import torch
-
-from ..._core.errors import GraphscaleError
-from ..._core.releases import NEWEST_TESTED, warn_if_newer
-
-__all__ = ["check_engine", "check_installed", "TESTED"]
 
 OLDEST_TESTED = "0.19.5"  # pyproject.toml's lower bound
 TESTED = f"{OLDEST_TESTED} to {NEWEST_TESTED['DeepSpeed']}"  # the releases the suite runs on (docs/works-with.md)
@@ -57,8 +59,8 @@ def _refuse(piece: str, what: str) -> GraphscaleError:
 
 def check_engine(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]) -> None:
     """Raise GraphscaleError if ``engine``'s DeepSpeed lacks or changed an
-    internal the adapter relies on (NOTE [ DeepSpeed drift ]); warn once if
-    it is newer than tested (NOTE [ Newer releases ] in _core/releases.py)."""
+    internal the adapter relies on; warn once if it is newer than tested.
+    (See NOTE [ Newer releases ] in _core/releases.py.)"""
     warn_if_newer("DeepSpeed", getattr(sys.modules.get("deepspeed"), "__version__", "0"),
                   "its engines are governed where graphscale's drift checks pass, refused where they fail", 4)
     utils = sys.modules.get("deepspeed.runtime.utils")
@@ -77,8 +79,8 @@ def check_engine(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]
 
 def check_installed() -> None:
     """Raise GraphscaleError if the imported DeepSpeed's hook manager or
-    engine class lacks or changed what the adapter relies on (the
-    class-level part of NOTE [ DeepSpeed drift ], no engine needed)."""
+    engine class lacks or changed what the adapter relies on: the checks
+    made once per class, no engine needed."""
     utils = sys.modules.get("deepspeed.runtime.utils")
     engine_mod = sys.modules.get("deepspeed.runtime.engine")
     manager_cls = getattr(utils, "OutputBackwardHookManager", None)
@@ -195,8 +197,8 @@ def _check_engine_class(cls: Any) -> None:
 
 def _check_engine_instance(engine: Any, scale_reader: Callable[[Any], Callable[[], float]]) -> None:
     cls = type(engine).__name__
-    # global_steps: what tells graphscale the accumulation window an aborted backward was in (NOTE [ An
-    # aborted backward counts for nothing ] in _adapters/deepspeed/failed.py)
+    # global_steps: what tells graphscale the accumulation window an aborted backward was in.
+    # (See NOTE [ An aborted backward counts for nothing ] in _adapters/deepspeed/failed.py.)
     for attr in ("_running_engine_backward", "_manual_backward_expected", "global_steps", "optimizer", "module"):
         if attr not in engine.__dict__ and not hasattr(engine, attr):
             raise _refuse(f"{cls} instance attribute {attr}", "is missing")

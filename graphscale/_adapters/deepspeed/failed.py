@@ -1,56 +1,8 @@
 """What the DeepSpeed adapter does for an engine whose governed backward
-raised (NOTE [ A backward that raised ] in _backward/frames.py): discard the
-aborted attempt so that its retry is clean, or, where the attempt may already
-have put something permanent into the accumulation window, make the engine
-fail closed.  Part of the DeepSpeed adapter; reads ``sys.modules``, never
-imports deepspeed.
-
-# NOTE [ An aborted backward counts for nothing ]
-# torch runs no queued callback of a graph task that raised, so DeepSpeed's
-# post-backward epilogue never runs for it: the engine is left mid-backward
-# (ZeRO's backward depth raised; at ZeRO 2 and 3 the gradients reached so
-# far in the reduction bucket, some perhaps already drained into the
-# window's partitioned gradients; at ZeRO 1 the reached gradients added by
-# torch onto the window's .grad).  Upstream PR 8245's last commit ("Recover
-# or reject aborted ZeRO backward state") set the contract graphscale keeps
-# on every DeepSpeed it supports: the aborted attempt counts for nothing.
-# For each engine whose part of the backward had begun, right when the
-# error leaves the governed backward (so a retry over the retained graph is
-# clean too), graphscale
-#   * decides from what happened during the attempt, measured against a
-#     snapshot taken right after the engine's prologue (:func:`begin`):
-#     a reduction bucket drained during it (counted by a wrapper of the
-#     optimizer's drain, :class:`Drains`), or it reached a gradient (ZeRO's
-#     per-parameter hooks fired) that torch added onto gradients of the
-#     window's earlier micro-steps (ZeRO 1's .grad, an fp32 accumulator; the
-#     window holds an earlier completed backward of this engine:
-#     ``Attempt.earlier``).  Either is permanent: the engine fails closed.
-#     Anything else is not (ZeRO 2 and 3 keep the window's earlier
-#     micro-steps in their partitions, out of the attempt's reach).  Where
-#     ZeRO has no per-parameter hooks (ZeRO 0; ZeRO 1 without contiguous
-#     gradients) "reached" cannot be seen and is assumed; where DeepSpeed's
-#     prologue itself raised, nothing was reached;
-#   * discards the attempt's state either way (:func:`discard`): the
-#     backward depth and the queued-callback mark, the bucket's parameters,
-#     the "already reduced" marks, the reached parameters' unreduced .grad
-#     (all of them where the window holds nothing else there), the bucket
-#     set-up's micro-step count where the attempt made it;
-#   * where permanent, the engine's next forward, step() and governed
-#     backward raise GraphscaleError naming the engine, why, and how to go
-#     on (:func:`fail_closed`).
-# Cleaner than the seed where it knows more: the seed fails closed at ZeRO 1
-# after any earlier completed backward, graphscale only when the attempt
-# reached one of the engine's gradients; and the attempt is discarded at
-# once rather than at the next forward, so step() right after a failure
-# (skipping the micro-step) and a retry over the retained graph are exact.
-# On a DeepSpeed that has this recovery itself (ZeROOptimizer defines
-# _ensure_backward_complete_before_step: PR 8245's head), graphscale leaves
-# the engine exactly as DeepSpeed alone would (:func:`deepspeed_recovers`).
-# ZeRO 3 cannot run a second backward over a graph whose backward ran
-# (partitioned parameters: "The size of tensor a (0) must match ...",
-# measured with and without graphscale), so there a retry over the retained
-# graph, with no forward since the failed backward, is refused with the fix:
-# retry with a new forward.
+raised: discard the aborted attempt so that its retry is clean, or, where the
+attempt may already have put something permanent into the accumulation
+window, make the engine fail closed.  Part of the DeepSpeed adapter; reads
+``sys.modules``, never imports deepspeed.
 """
 from __future__ import annotations
 
@@ -60,6 +12,20 @@ from ..._core.errors import GraphscaleError
 from .reads import is_zero_optimizer
 
 __all__ = ["Attempt", "Drains", "begin", "deepspeed_recovers", "discard", "fail_closed", "refuse_next"]
+
+# NOTE [ An aborted backward counts for nothing ]
+# torch runs no queued callback of a graph task that raised, so DeepSpeed's
+# epilogue never runs for it and the engine is left mid-backward.  The
+# contract (upstream PR 8245's): the aborted attempt counts for nothing.  For
+# each engine whose part had begun, right when the error leaves the governed
+# backward (see NOTE [ A backward that raised ] in _backward/frames.py),
+# graphscale discards the attempt's state (discard) and, where the attempt
+# already changed the window for good (a bucket drained during it, Drains; or
+# at ZeRO 1 a gradient reached onto an earlier micro-step's .grad, measured
+# from begin()), makes the engine fail closed (fail_closed).  A DeepSpeed that
+# recovers by itself is left to it (deepspeed_recovers); at ZeRO 3 a retry
+# over the retained graph is refused (refuse_next).
+# Full record: docs/development.md, 'An aborted backward counts for nothing'.
 
 # The optimizer method that drains a reduction bucket, by ZeRO stage's class (stages 1 and 2 share one).
 _DRAIN = ("reduce_ipg_grads", "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")
@@ -165,8 +131,7 @@ def _empty_buckets(opt: Any) -> None:
 
 
 def discard(engine: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
-    """NOTE [ An aborted backward counts for nothing ]: take the aborted
-    attempt's state off ``engine``; return why it may have changed the
+    """Take the aborted attempt's state off ``engine``; return why it may have changed the
     window for good (the engine must fail closed), or None (a clean retry)."""
     opt: Any = getattr(engine, "optimizer", None)
     why = _permanent(opt, attempt, drains)

@@ -1,8 +1,8 @@
 """DeepSpeed's output hooks under graphscale: two data descriptors on
-DeepSpeed's ``OutputBackwardHookManager`` (NOTE [ DeepSpeed's two
-generations ] and NOTE [ One lifecycle per backward ] in
-_adapters/deepspeed/engine.py), and the table of attached engines they consult.
-Part of the DeepSpeed adapter; reads ``sys.modules``, never imports deepspeed."""
+DeepSpeed's ``OutputBackwardHookManager``, and the table of attached engines
+they consult.  Part of the DeepSpeed adapter; reads ``sys.modules``, never
+imports deepspeed.
+"""
 from __future__ import annotations
 
 import sys
@@ -51,14 +51,14 @@ def _governing(d: dict[str, Any], tid: int) -> tuple[int, Any, Any, bool, Any, b
     task's id) and kept on the manager under ``_NOW``, which the descriptors
     read first: an engine's outputs fire its hooks several times a backward,
     each reading two or three attributes; a task binds before any of them
-    fires (NOTE [ Which snapshot an output hook obeys ]).  The manager's
-    engine: its per-tensor function is the engine's bound
-    ``_backward_prologue_per_tensor``."""
+    fires.  The manager's engine: its per-tensor function is the engine's
+    bound ``_backward_prologue_per_tensor``.
+    (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py.)"""
     fn = d.get(_FN)
     engine = getattr(fn, "__self__", None)
     if not (getattr(fn, "__name__", None) == PROLOGUE and isinstance(engine, found.engine or engine_type())):
         engine = None
-    # NOTE [ Which snapshot an output hook obeys ]: the task's binding.
+    # the task's binding
     binding = None if engine is None or not bindings else bindings.get(tid)
     reference, once, governed = False, None, False
     if binding is not None:
@@ -74,11 +74,11 @@ def _governing(d: dict[str, Any], tid: int) -> tuple[int, Any, Any, bool, Any, b
 
 
 class _PerTensorRedirect:
-    """The data descriptor of NOTE [ DeepSpeed's two generations ] on
-    OutputBackwardHookManager: inside a backward that governs an engine, that
-    engine's managers read their per-tensor function as None (DeepSpeed's
-    hook then passes the gradient on without calling it: graphscale places
-    the factor at the engine's leaves); anything else reads as it was set."""
+    """A data descriptor on OutputBackwardHookManager's per-tensor function:
+    inside a backward that governs an engine, that engine's managers read it
+    as None (DeepSpeed's hook then passes the gradient on without calling it:
+    graphscale places the factor at the engine's leaves); anything else reads
+    as it was set.  (See NOTE [ DeepSpeed's two generations ] in engine.py.)"""
 
     def __get__(self, manager: Any, owner: type | None = None) -> Any:
         if manager is None:
@@ -99,8 +99,8 @@ _DONE = "preprocess_done"
 
 
 class _PrologueOncePerBackward:
-    """The data descriptor of NOTE [ One lifecycle per backward ] on
-    OutputBackwardHookManager's ``preprocess_done``: inside a backward that
+    """A data descriptor on OutputBackwardHookManager's ``preprocess_done``
+    (see NOTE [ One lifecycle per backward ] in engine.py): inside a backward that
     governs the manager's engine, whether that engine's prologue ran in this
     backward (always, in a reference pass); elsewhere the manager's own flag."""
 
