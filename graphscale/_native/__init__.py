@@ -3,29 +3,7 @@
 ``graphscale/_planner/plan.py`` (with ``_planner/walk.py`` and ``_planner/potentials.py``) is the reference;
 ``walker.cpp`` repeats them on the C++ autograd Nodes with the same orders and
 tie-breaks (tests/test_native_walker.py compares the two on random graphs).
-
-NOTE [ No backward waits for a compiler ]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The first :func:`graphscale.install` calls :func:`prepare`.  If graphscale's
-cache holds a build for this torch, interpreter and ``walker.cpp``
-(NOTE [ Native walker cache ] in ``build.py``), it is imported there and
-then (milliseconds, no compiler).  Otherwise a build starts in a detached
-child process (``build.py --quiet --background``: its own session, so it
-survives this process and completes the cache for the next run; low CPU
-priority) and a watcher thread imports the result when the child succeeds and
-publishes it with one assignment to ``_module``.  Until then every walked
-backward is planned by the Python walker (identical plans, slower walk): a
-backward never waits for a compiler.  ``python -m graphscale build`` fills the
-cache ahead of time (a Dockerfile's ``RUN``), so even the first run is native.
-
-A failed build leaves the Python walker in charge and logs ONE warning on the
-``graphscale`` logger naming the cause and the fix.
-
-``GRAPHSCALE_WALKER`` (read at every ``install()``, by :func:`prepare`; a
-backward uses what the last one read) chooses: ``auto`` (the default,
-above), ``native`` (:func:`prepare`, hence ``install()``, waits for the build
-and raises :class:`~graphscale.GraphscaleError` if it fails, so no backward
-waits and none runs on Python), ``python`` (never build, never load).
+This module loads graphscale's cached build of it, or builds it in the background.
 """
 from __future__ import annotations
 
@@ -51,6 +29,28 @@ __all__ = [
     "loaded",
     "build_main",
 ]
+
+# NOTE [ No backward waits for a compiler ]
+# The first graphscale.install() calls prepare().  If graphscale's cache holds
+# a build for this torch, interpreter and walker.cpp, it is imported there and
+# then (milliseconds, no compiler).  (See NOTE [ Native walker cache ] in build.py.)
+# Otherwise a build starts in a detached child process (build.py --quiet
+# --background: its own session, so it survives this process and completes
+# the cache for the next run; low CPU priority) and a watcher thread imports
+# the result when the child succeeds and publishes it with one assignment to
+# _module.  Until then every walked backward is planned by the Python walker
+# (identical plans, slower walk): a backward never waits for a compiler.
+# ``python -m graphscale build`` fills the cache ahead of time (a Dockerfile's
+# RUN), so even the first run is native.
+#
+# A failed build leaves the Python walker in charge and logs ONE warning on the
+# graphscale logger naming the cause and the fix.
+#
+# GRAPHSCALE_WALKER (read at every install(), by prepare(); a backward uses
+# what the last one read) chooses: auto (the default, above), native
+# (prepare(), hence install(), waits for the build and raises GraphscaleError
+# if it fails, so no backward waits and none runs on Python), python (never
+# build, never load).
 
 _log = logging.getLogger("graphscale")
 
@@ -87,7 +87,7 @@ def walker_choice() -> str:
 
 def prepare() -> Any:
     """Make the native walker ready without ever blocking on a compiler (except
-    with ``GRAPHSCALE_WALKER=native``): NOTE [ No backward waits for a compiler ].
+    with ``GRAPHSCALE_WALKER=native``).  See NOTE [ No backward waits for a compiler ].
 
     Idempotent and cheap after the first call.  Returns the extension if it is
     loaded now, else None (a build is running, or failed, or the choice is
@@ -126,7 +126,7 @@ def load() -> Any:
 def wait(timeout: float | None = None) -> Any:
     """Wait until the native walker is ready or has failed (at most ``timeout``
     seconds); the extension, or None.  For tests, benchmarks and scripts; the
-    library itself never waits (NOTE [ No backward waits for a compiler ])."""
+    library itself never waits."""
     if walker_choice() == "python":
         return None
     _ensure_started()

@@ -5,35 +5,6 @@ from graphscale): the background build (graphscale/_native/__init__.py) runs
 this file by its path in a child process, so the child builds exactly the
 ``walker.cpp`` next to it, whichever graphscale ``sys.path`` would find.
 ``python -m graphscale build`` runs :func:`main` too.
-
-NOTE [ Native walker cache ]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Where: ``$GRAPHSCALE_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/graphscale``;
-one directory per key (:func:`cache_key`): torch version, Python cache tag,
-machine, torch's C++ ABI flag and a hash of the sources (``walker.cpp`` and
-the headers beside it: :func:`sources`) and the compiler flags.  An edited
-source, another torch or another
-interpreter gets its own build; nothing is ever rebuilt over a build another
-key uses.  Per key::
-
-    <key>/graphscale_native_walker.so   the build (replaced atomically)
-    <key>/lock                          flock()ed by the process that builds
-    <key>/build-XXXXXXXX/               torch's build directory, one per build
-    <key>/build-failure.log             the last failed build's full output
-
-Building: ``torch.utils.cpp_extension.load`` with a fresh ``build_directory``
-of its own, so torch's lock file (which a killed build leaves behind, and on
-which later builds of the same directory wait forever) is never shared; the
-built library is copied next to the key and renamed over the old one with
-``os.replace``, so a reader sees the old build, the new one or none, never a
-half-written file.  Builders of one key on one machine take turns on an
-``flock`` of ``<key>/lock``: the kernel drops it when its holder dies, so it
-cannot go stale, and a builder that gets it after another one finished finds
-the build and compiles nothing.  Where the file system has no locks, builders
-duplicate the work and the last rename wins (the builds are identical).
-
-Loading: import the cached library directly (``ExtensionFileLoader``), without
-a compiler, ninja or any lock: about 2 ms.
 """
 from __future__ import annotations
 
@@ -56,6 +27,33 @@ __all__ = [
     "CACHE_ENV", "SANITIZE_ENV", "MODULE_NAME", "Variant", "RELEASE", "SEAMS", "SOURCE", "BuildError", "Built",
     "cache_root", "cache_key", "sources", "key_dir", "built_path", "import_built", "build", "main",
 ]
+
+# NOTE [ Native walker cache ]
+# Where: $GRAPHSCALE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/graphscale; one
+# directory per key (cache_key): torch version, Python cache tag, machine,
+# torch's C++ ABI flag and a hash of the sources (walker.cpp and the headers
+# beside it: sources()) and the compiler flags.  An edited source, another
+# torch or another interpreter gets its own build; nothing is ever rebuilt
+# over a build another key uses.  Per key:
+#
+#     <key>/graphscale_native_walker.so   the build (replaced atomically)
+#     <key>/lock                          flock()ed by the process that builds
+#     <key>/build-XXXXXXXX/               torch's build directory, one per build
+#     <key>/build-failure.log             the last failed build's full output
+#
+# Building: torch.utils.cpp_extension.load with a fresh build_directory of its
+# own, so torch's lock file (which a killed build leaves behind, and on which
+# later builds of the same directory wait forever) is never shared; the built
+# library is copied next to the key and renamed over the old one with
+# os.replace, so a reader sees the old build, the new one or none, never a
+# half-written file.  Builders of one key on one machine take turns on an
+# flock of <key>/lock: the kernel drops it when its holder dies, so it cannot
+# go stale, and a builder that gets it after another one finished finds the
+# build and compiles nothing.  Where the file system has no locks, builders
+# duplicate the work and the last rename wins (the builds are identical).
+#
+# Loading: import the cached library directly (ExtensionFileLoader), without
+# a compiler, ninja or any lock: about 2 ms.
 
 CACHE_ENV = "GRAPHSCALE_CACHE"
 MODULE_NAME = "graphscale_native_walker"  # the extension's PyInit_ name: torch builds it under this name
@@ -83,7 +81,7 @@ class Variant(NamedTuple):
     flags.  :data:`RELEASE` is what graphscale loads; :data:`SEAMS` the test
     build (hook counters, an injected hook failure, a switch that stops
     binding: ``GRAPHSCALE_TEST_SEAMS``; tests/_seams.py loads it beside the
-    release build).  Both carry NOTE [ Sanitizer builds ]'s flags."""
+    release build).  Both carry $GRAPHSCALE_SANITIZE's flags."""
 
     module_name: str
     cflags: tuple[str, ...]
@@ -244,7 +242,7 @@ def summarize(text: str) -> str:
 
 def build(force: bool = False, source: str = SOURCE, on_wait: Callable[[], None] | None = None,
           variant: Variant = RELEASE) -> Built:
-    """Build ``source`` into the cache (or find it built); NOTE [ Native walker cache ].
+    """Build ``source`` into the cache (or find it built).
 
     Runs once per process at most (torch renames a second build of one name
     in one process): the CLI and the background build are fresh processes.

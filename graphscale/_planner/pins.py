@@ -1,27 +1,8 @@
 """The pins of a plan: which nodes must end at which potential (the owned
 leaves at their group's factor, unowned leaves by policy, checkpoint hints,
 ``inputs=``, and the nodes an enclosing plan already governs), and what the
-backward reached on the way.  C++ twin: ``_native/planner/pins.h``."""
-# NOTE [ Unowned leaves in nested backward ]
-# An unowned leaf may be reached by the outer backward and by nested ones
-# (an unowned layer used inside and outside a checkpointed segment, or in two
-# segments under different groups).  Left free, each plan would give it the
-# potential of its own surroundings and its gradient would mix factors, which
-# even unowned="any" forbids.  So a nested plan pins each unowned leaf to the
-# potential a running (enclosing) plan already gave its AccumulateGrad node;
-# an unowned Parameter that none has seen is pinned to 1, the same value in
-# every nested backward; an unseen non-Parameter leaf is a carrier (above).
-# Known limit: a requires-grad non-Parameter tensor that a checkpointed
-# function closes over, and that the outer graph never reaches, looks like a
-# carrier and gets the carrier's potential.
-#
-# NOTE [ Nested backward through the enclosing graph ]
-# A custom Function's backward may call torch.autograd.backward on tensors of
-# the enclosing graph itself (it kept one from forward).  Those nodes already
-# carry the enclosing plan's hooks, which stay registered while it runs.  The
-# nested plan pins each such node to the potential the enclosing plan gave it
-# and places no multiplication on edges leaving it: the enclosing hooks
-# already apply exactly those ratios, and a second hook would scale twice.
+backward reached on the way.  C++ twin: ``_native/planner/pins.h``.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,6 +15,27 @@ from .nodes import CUSTOM_FUNCTION
 from .request import PlanRequest
 
 __all__ = ["Reached", "pins"]
+
+# NOTE [ Unowned leaves in nested backward ]
+# An unowned leaf may be reached by the outer backward and by nested ones
+# (an unowned layer used inside and outside a checkpointed segment, or in two
+# segments under different groups).  Left free, each plan would give it the
+# potential of its own surroundings and its gradient would mix factors, which
+# even unowned="any" forbids.  So a nested plan pins each unowned leaf to the
+# potential a running (enclosing) plan already gave its AccumulateGrad node;
+# an unowned Parameter that none has seen is pinned to 1, the same value in
+# every nested backward; an unseen non-Parameter leaf is a carrier (PlanRequest.carrier).
+# Known limit: a requires-grad non-Parameter tensor that a checkpointed
+# function closes over, and that the outer graph never reaches, looks like a
+# carrier and gets the carrier's potential.
+#
+# NOTE [ Nested backward through the enclosing graph ]
+# A custom Function's backward may call torch.autograd.backward on tensors of
+# the enclosing graph itself (it kept one from forward).  Those nodes already
+# carry the enclosing plan's hooks, which stay registered while it runs.  The
+# nested plan pins each such node to the potential the enclosing plan gave it
+# and places no multiplication on edges leaving it: the enclosing hooks
+# already apply exactly those ratios, and a second hook would scale twice.
 
 
 @dataclass
@@ -48,8 +50,7 @@ class Reached:
 
 
 def _unowned_pin(var: torch.Tensor, node: Any, request: PlanRequest, reached: Reached) -> float | None:
-    """The pin of an unowned leaf (NOTE [ Unowned leaves ] in _core/snapshot.py; NOTE [
-    Unowned leaves in nested backward ]), or None."""
+    """The pin of an unowned leaf, or None.  (See NOTE [ Unowned leaves ] in _core/snapshot.py.)"""
     seen = request.outer_phi(node) if request.outer_phi is not None else None
     if seen is not None:
         return seen
@@ -65,10 +66,10 @@ def _unowned_pin(var: torch.Tensor, node: Any, request: PlanRequest, reached: Re
 
 
 def pins(graph: Any, request: PlanRequest, reached: Reached) -> tuple[dict[int, float], set[int]]:
-    """Node index -> the potential it must have; and the enclosed nodes (NOTE [
-    Nested backward through the enclosing graph ]), whose edges an enclosing
-    plan multiplies already.  Later pins overwrite earlier ones; the native
-    walker keeps this order (leaves, hints, inputs=, enclosed)."""
+    """Node index -> the potential it must have; and the enclosed nodes (of
+    the enclosing graph), whose edges an enclosing plan multiplies already.
+    Later pins overwrite earlier ones; the native walker keeps this order
+    (leaves, hints, inputs=, enclosed)."""
     state, factors, outer_phi = request.reading.state, request.reading.factors, request.outer_phi
     owner = state.owner
     pins: dict[int, float] = {}

@@ -23,7 +23,8 @@ __all__ = ["build", "PyPlan"]
 
 
 def build(roots: Sequence[Any], request: PlanRequest) -> tuple[Plan, Reached]:
-    """Walk from ``roots`` and choose potentials (NOTE [ Potentials ] in _planner/potentials.py); what it reached."""
+    """Walk from ``roots`` and choose potentials; what it reached.
+    (See NOTE [ Potentials ] in _planner/potentials.py.)"""
     root_nodes = [root_node(t) for t in roots]
     graph = walk(root_nodes)
     reached = Reached()

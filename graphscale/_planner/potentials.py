@@ -4,6 +4,15 @@ Input is a walked :class:`~graphscale._planner.walk.Graph` and the *pins*: the
 potential each constrained node must end at (an owned leaf: its group's
 factor).  Output is plain data, no hooks: a potential per node, a multiplier
 per root seed, and the edge multipliers of each node.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .walk import Graph
+
+__all__ = ["Plan", "make_plan"]
 
 # NOTE [ Potentials ]
 # Give every node v a potential phi(v).  Multiply the seed gradient of root r
@@ -29,15 +38,6 @@ per root seed, and the edge multipliers of each node.
 #
 # Counts: g1(x) + g2(x) -> 2 multiplications, g1(g2(x)) -> 2,
 # g(x) + g.sub(y) -> 1 (the seed; and no walk at all on the fast path).
-"""
-from __future__ import annotations
-
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from .walk import Graph
-
-__all__ = ["Plan", "make_plan"]
 
 
 @dataclass(frozen=True)

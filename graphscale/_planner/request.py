@@ -17,16 +17,16 @@ class PlanRequest(NamedTuple):
 
     ``reading``: the snapshot and the factors read for this backward.
     ``base``: the potential the seeds already carry (1 at top level; a nested
-    backward's enclosing potential, NOTE [ Nested backward ] in _entry/entry.py).
+    backward's enclosing potential: see NOTE [ Nested backward ] in _entry/entry.py).
     ``carrier``: in a nested backward, the potential unowned non-Parameter
     leaves must end at; None at top level.
     ``inputs``: the backward's ``inputs=`` (non-leaf ones receive ``.grad``
     and are pinned under ``unowned="plain"``).
     ``outer_phi``: the potential an enclosing plan gave a node, or None where
-    none saw it (NOTE [ Unowned leaves in nested backward ] in _planner/pins.py);
-    None at top level.
-    ``hint``: a potential for a custom-Function node, or None (NOTE [
-    Checkpoint hints ] in _backward/hints.py).
+    none saw it; None at top level.
+    (See NOTE [ Unowned leaves in nested backward ] in _planner/pins.py.)
+    ``hint``: a potential for a custom-Function node, or None.
+    (See NOTE [ Checkpoint hints ] in _backward/hints.py.)
     """
 
     reading: Reading

@@ -1,30 +1,4 @@
-"""``graphscale.audit``: check every governed backward against a plain reference.
-
-# NOTE [ Audit reference ]
-# Inside an audit, each top-level governed backward first computes the plain
-# gradient g of every leaf it will reach, with torch.autograd.grad(roots,
-# inputs=leaves, retain_graph=True), *before* graphscale registers any hook of
-# its own: the reference runs on the same graph with graphscale's
-# multiplications absent.  It asks for the leaves as inputs, so no
-# AccumulateGrad node runs: nothing is accumulated and no hook that DeepSpeed
-# keeps on parameters (ZeRO reduction) fires.  DeepSpeed's output hooks do
-# fire: their per-tensor GAS division is switched off for installed engines
-# (NOTE [ DeepSpeed's two generations ] in _adapters/deepspeed/engine.py), and their
-# once-per-backward prologue (timers, ZeRO bookkeeping, the queued epilogue)
-# does not run: the reference's graph task is bound as a reference pass
-# (NOTE [ Once per backward ] in _backward/running.py).  Then the real backward runs
-# with a tensor hook on every reached leaf (_leaf_rows.Capture) that reads the
-# gradient handed to the leaf before it is accumulated, before ZeRO's or any
-# other accumulation hook moves it (so ZeRO stage 2 and several ranks read the
-# same as stage 0 on one), and it is compared with factor x g, factor =
-# 1 / gas() read independently of the planner, so a wrong plan, a wrong seed
-# or a wrong factor all show.  The leaves are found by the audit's own walk,
-# not by the planner's.  What the optimizer then steps with is checked at
-# each accumulation boundary (NOTE [ Audit at the boundary ] in
-# _tools/audit_windows.py).  Where a group's graph cannot be backpropagated twice
-# (ZeRO 3), the reference comes from a replay of the micro-step's forward
-# instead (NOTE [ Audit by replay ] in _tools/replay.py).
-"""
+"""``graphscale.audit``: check every governed backward against a plain reference."""
 from __future__ import annotations
 
 import logging
@@ -50,6 +24,31 @@ from .replay import Replays, needs_replay, reference
 
 __all__ = ["audit", "Audit", "AuditError", "Mismatch"]
 
+# NOTE [ Audit reference ]
+# Inside an audit, each top-level governed backward first computes the plain
+# gradient g of every leaf it will reach, with torch.autograd.grad(roots,
+# inputs=leaves, retain_graph=True), *before* graphscale registers any hook of
+# its own: the reference runs on the same graph with graphscale's
+# multiplications absent.  It asks for the leaves as inputs, so no
+# AccumulateGrad node runs: nothing is accumulated and no hook that DeepSpeed
+# keeps on parameters (ZeRO reduction) fires.  DeepSpeed's output hooks do
+# fire: their per-tensor GAS division is switched off for installed engines,
+# and their once-per-backward prologue (timers, ZeRO bookkeeping, the queued
+# epilogue) does not run: the reference's graph task is bound as a reference
+# pass.  (See NOTE [ Once per backward ] in _backward/running.py.)  Then the
+# real backward runs with a tensor hook on every reached leaf
+# (_leaf_rows.Capture) that reads the gradient handed to the leaf before it is
+# accumulated, before ZeRO's or any other accumulation hook moves it (so ZeRO
+# stage 2 and several ranks read the same as stage 0 on one), and it is
+# compared with factor x g, factor = 1 / gas() read independently of the
+# planner, so a wrong plan, a wrong seed or a wrong factor all show.  The
+# leaves are found by the audit's own walk, not by the planner's.
+# What the optimizer then steps with is checked at each accumulation boundary:
+# see NOTE [ Audit at the boundary ] in _tools/audit_windows.py.
+# Where a group's graph cannot be backpropagated twice (ZeRO 3), the reference
+# comes from a replay of the micro-step's forward instead: see
+# NOTE [ Audit by replay ] in _tools/replay.py.
+
 _log = logging.getLogger("graphscale")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -71,12 +70,12 @@ class Audit:
 
     ``backwards``: governed backwards audited so far.  ``mismatches``: every
     :class:`Mismatch` found; ``reduced_mismatches``: every parameter whose
-    reduced gradient at an accumulation boundary was wrong (NOTE [ Audit at
-    the boundary ] in _tools/audit_windows.py).  ``ok``: neither.  :meth:`report`
-    (also ``str(handle)``) is a per-group table: the factor, the leaves
-    checked, the gradient norm the last backward gave the group's leaves and
-    the norm it should have given, the worst relative error seen, and the
-    boundaries whose reduced gradient was checked; then the tolerances used.
+    reduced gradient at an accumulation boundary was wrong.  ``ok``:
+    neither.  :meth:`report` (also ``str(handle)``) is a per-group table: the
+    factor, the leaves checked, the gradient norm the last backward gave the
+    group's leaves and the norm it should have given, the worst relative
+    error seen, and the boundaries whose reduced gradient was checked; then
+    the tolerances used.
     """
 
     rtol: float
@@ -104,9 +103,8 @@ class Audit:
         engine at ZeRO stage 3).  The replay draws the same randomness
         (torch's generators, forked), leaves every module buffer it changes
         as it was, accumulates into no ``.grad`` and steps nothing; it costs
-        about one more forward and backward (NOTE [ Audit by replay ] in
-        _tools/replay.py).  Wrap it on every rank.  Elsewhere the wrapper only
-        calls ``fn``.
+        about one more forward and backward.  Wrap it on every rank.
+        Elsewhere the wrapper only calls ``fn``.
 
         Example (a plain group: its own graph serves, no replay runs)::
 
@@ -176,7 +174,7 @@ class Audit:
         state = current()
         if state is None or call.roots is None or torch._C._current_autograd_node() is not None:
             return run(call)  # nested backwards are checked as part of the outer one
-        if state.pending:  # NOTE [ FSDP2's backward leaves ] in _adapters/fsdp.py: made since install
+        if state.pending:  # adapter leaves made since install: NOTE [ FSDP2's backward leaves ] in _adapters/fsdp.py
             state = state.ready()
         roots, grads = call.roots, call.grads
         assert grads is not None  # normalized with the roots
@@ -205,7 +203,7 @@ class Audit:
         with spec_reads(reads), Capture(leaves) as got:
             run(call)
         self.backwards += 1
-        if ref.unfaithful is not None:  # after the real backward: every rank ran it (NOTE [ Audit by replay ])
+        if ref.unfaithful is not None:  # said after the real backward, which every rank ran
             raise GraphscaleError(f"graphscale.audit: backward {self.backwards}: {ref.unfaithful}")
         self._compare(state, factors, leaves, (plain, got.grads))
 
@@ -262,15 +260,14 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
 
     Each top-level governed backward (``loss.backward()``,
     ``torch.autograd.backward``, ``engine.backward``) run inside the block
-    first computes every reached leaf's plain gradient g (see
-    NOTE [ Audit reference ]), then runs as usual, and checks, on every rank,
-    that the gradient the backward handed each leaf (read as it arrives, before
-    any hook moves it: ZeRO's reduction included) is exactly ``factor(G) x g``
-    for its group G (the group's factor, 1 under ``scale_wrt_gas=False``,
-    times an fp16 engine's loss scale); leaves no group owns must get ``g``
-    where the policy protects them (NOTE [ Unowned leaves ]), the others all
-    one factor in play; in a backward that reaches no owned leaf every leaf
-    ``g``.  A leaf fails when
+    first computes every reached leaf's plain gradient g, then runs as usual,
+    and checks, on every rank, that the gradient the backward handed each
+    leaf (read as it arrives, before any hook moves it: ZeRO's reduction
+    included) is exactly ``factor(G) x g`` for its group G (the group's
+    factor, 1 under ``scale_wrt_gas=False``, times an fp16 engine's loss
+    scale); leaves no group owns must get ``g`` where the policy protects
+    them, the others all one factor in play; in a backward that reaches no
+    owned leaf every leaf ``g``.  A leaf fails when
     ``max|got - factor*g| > atol + rtol' * max|factor*g|``, where ``rtol'`` is
     ``rtol``, or for a bfloat16 / float16 leaf at least 4 units of its
     dtype's epsilon (the report says which applied).  A float16 leaf that
@@ -278,9 +275,8 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
 
     At each accumulation boundary of a DeepSpeed engine it also checks the
     reduced gradient the optimizer will step with: the window's factor x g
-    summed, averaged over the engine's data-parallel ranks (NOTE [ Audit at
-    the boundary ] in _tools/audit_windows.py).  So a run on several ranks is
-    audited at every micro-step and every boundary.
+    summed, averaged over the engine's data-parallel ranks.  So a run on
+    several ranks is audited at every micro-step and every boundary.
 
     Args:
         rtol: relative tolerance, as above.
@@ -306,9 +302,8 @@ def audit(rtol: float = 1e-5, atol: float = 1e-6, raise_on_error: bool = True) -
     stage 0 to 3, fp32, bf16 and fp16, on any number of ranks.  At ZeRO
     stage 3 a graph can be backpropagated only once, so the reference comes
     from the micro-step's forward called once more: wrap the function that
-    computes the loss with :meth:`Audit.replayable` (NOTE [ Audit by replay ]
-    in _tools/replay.py); a backward there without one is refused before it runs,
-    saying so.
+    computes the loss with :meth:`Audit.replayable`; a backward there without
+    one is refused before it runs, saying so.
 
     Example::
 

@@ -1,23 +1,4 @@
-"""The audit's check at an accumulation boundary: the reduced gradient.
-
-# NOTE [ Audit at the boundary ]
-# Each audited backward checks, on every rank, the gradient it hands each
-# leaf (NOTE [ Audit reference ] in _tools/audit.py): what graphscale scales.  What
-# the optimizer steps with is the framework's reduction of those over a
-# window of backwards and over ranks, and a backward can hand every leaf the
-# right gradient and still leave nothing reduced (an engine's epilogue that
-# never ran), so at a boundary the audit checks that too.  For each group
-# whose adapter says how it accumulates and reduces (_registry.audit_window),
-# the audit sums factor x plain gradient of every backward of the window,
-# and once the framework has reduced (right after its backward epilogue)
-# compares the reduced gradient with that sum averaged over the ranks that
-# reduce (a collective: every rank checks the same parameters in the same
-# order).  A window the audit did not see from its start (entered mid-window,
-# or gradients accumulated while no audit ran), or one with a backward whose
-# expected gradients are unknown (a replay that was not the micro-step's
-# forward: NOTE [ Audit by replay ] in _tools/replay.py), is not checked and is
-# reported as such; so is a boundary at which the framework did not reduce.
-"""
+"""The audit's check at an accumulation boundary: the reduced gradient."""
 from __future__ import annotations
 
 import math
@@ -33,6 +14,24 @@ from .._core.snapshot import State
 from .leaf_rows import dtype_rtol
 
 __all__ = ["Windows", "Reduced"]
+
+# NOTE [ Audit at the boundary ]
+# Each audited backward checks, on every rank, the gradient it hands each
+# leaf: what graphscale scales.  (See NOTE [ Audit reference ] in _tools/audit.py.)
+# What the optimizer steps with is the framework's reduction of those over a
+# window of backwards and over ranks, and a backward can hand every leaf the
+# right gradient and still leave nothing reduced (an engine's epilogue that
+# never ran), so at a boundary the audit checks that too.  For each group
+# whose adapter says how it accumulates and reduces (_registry.audit_window),
+# the audit sums factor x plain gradient of every backward of the window,
+# and once the framework has reduced (right after its backward epilogue)
+# compares the reduced gradient with that sum averaged over the ranks that
+# reduce (a collective: every rank checks the same parameters in the same
+# order).  A window the audit did not see from its start (entered mid-window,
+# or gradients accumulated while no audit ran), or one with a backward whose
+# expected gradients are unknown (a replay that was not the micro-step's
+# forward), is not checked and is reported as such; so is a boundary at which
+# the framework did not reduce.
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class _Window:
 
 
 class Windows:
-    """Every group's window for one audit (see NOTE [ Audit at the boundary ])."""
+    """Every group's window for one audit."""
 
     def __init__(self, tolerance: Callable[[float, float, torch.dtype], bool],
                  report: Callable[[list[Reduced]], None]) -> None:

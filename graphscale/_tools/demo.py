@@ -3,10 +3,7 @@
 Builds small real DeepSpeed engines on the CPU (one rank, gloo, ZeRO stage 1)
 and runs each graph shape of the design table twice: DeepSpeed alone, and
 with graphscale installed.  Every parameter's gradient is compared with a
-plain-PyTorch oracle (copies of the models made before
-``deepspeed.initialize``, the same graph, each model's gradient times its
-engine's factor), and the largest relative error per shape is tabulated.
-
+plain-PyTorch oracle, and the largest relative error per shape is tabulated.
 This module returns text; only ``graphscale/__main__.py`` prints it.
 """
 from __future__ import annotations
@@ -150,7 +147,8 @@ def _run_shape(deepspeed: Any, shape: Shape, governed: bool) -> tuple[float, str
         b, bm = (mods[1], modules[1]) if len(mods) > 1 else (None, None)
         return (mods[0], modules[0], b, bm, x, y)
 
-    # The oracle: plain PyTorch, each model's gradient times its engine's factor.
+    # The oracle: plain PyTorch (copies of the models made before deepspeed.initialize, the same graph),
+    # each model's gradient times its engine's factor.
     params = [list(p.parameters()) for p in plain]
     grads = torch.autograd.grad(shape.loss(*args(plain, plain)), [q for ps in params for q in ps])
     unscaled = shape.backward == "engine_unscaled"

@@ -1,26 +1,4 @@
-"""``graphscale.diagnose``: what DeepSpeed alone does to each engine's gradients.
-
-# NOTE [ Diagnosis without graphscale ]
-# Around a user's unmodified loop, with graphscale *not* installed, every
-# top-level backward is watched and nothing is governed: first the plain
-# gradient g of every parameter of the diagnosed engines that the backward
-# reaches is computed (torch.autograd.grad on the same graph, bound as a
-# reference pass so DeepSpeed's output hooks neither divide nor run their
-# prologue: NOTE [ Audit reference ] in _tools/audit.py), from the loss the user
-# gave (``engine.backward(loss)`` divides it by GAS before torch sees it, so
-# there the reference is taken from ``loss`` itself; at ZeRO stage 3 from the
-# replayed forward: NOTE [ Audit by replay ] in _tools/replay.py); then DeepSpeed's own
-# backward runs as without graphscale, and a tensor hook on each parameter
-# reads the gradient DeepSpeed's graph hands it.  The factor DeepSpeed gave
-# is <got, g> / <g, g>; the contract wants 1/GAS of the owning engine (1
-# under scale_wrt_gas=False), times an fp16 engine's own loss scale.  A
-# gradient that is no multiple of g got different factors along different
-# paths (an engine's forward and a direct call of its module in one loss).
-# Which shape of graph caused a wrong factor is read from the factor itself:
-# 1 (not divided), another engine's 1/GAS (that engine's backward divided
-# the whole loss), or a product of several (divided at the outputs of
-# several engine forwards: nested engines).
-"""
+"""``graphscale.diagnose``: what DeepSpeed alone does to each engine's gradients."""
 from __future__ import annotations
 
 import math
@@ -42,6 +20,28 @@ from .leaf_rows import Capture, dtype_rtol, reached_leaves
 from .replay import Replays, needs_replay, reference
 
 __all__ = ["diagnose", "Diagnosis", "Finding"]
+
+# NOTE [ Diagnosis without graphscale ]
+# Around a user's unmodified loop, with graphscale *not* installed, every
+# top-level backward is watched and nothing is governed: first the plain
+# gradient g of every parameter of the diagnosed engines that the backward
+# reaches is computed (torch.autograd.grad on the same graph, bound as a
+# reference pass so DeepSpeed's output hooks neither divide nor run their
+# prologue, as the audit's reference is), from the loss the user gave
+# (``engine.backward(loss)`` divides it by GAS before torch sees it, so there
+# the reference is taken from ``loss`` itself; at ZeRO stage 3 from the
+# replayed forward); then DeepSpeed's own backward runs as without graphscale,
+# and a tensor hook on each parameter reads the gradient DeepSpeed's graph
+# hands it.  (See NOTE [ Audit reference ] in _tools/audit.py and
+# NOTE [ Audit by replay ] in _tools/replay.py.)  The factor DeepSpeed gave
+# is <got, g> / <g, g>; the contract wants 1/GAS of the owning engine (1
+# under scale_wrt_gas=False), times an fp16 engine's own loss scale.  A
+# gradient that is no multiple of g got different factors along different
+# paths (an engine's forward and a direct call of its module in one loss).
+# Which shape of graph caused a wrong factor is read from the factor itself:
+# 1 (not divided), another engine's 1/GAS (that engine's backward divided
+# the whole loss), or a product of several (divided at the outputs of
+# several engine forwards: nested engines).
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,8 +91,7 @@ class Diagnosis:
         """``fn`` (the function that computes the micro-step's loss), wrapped so
         that the diagnosis may call it once more for its reference where the
         backward's graph cannot be backpropagated twice (ZeRO stage 3), as
-        :meth:`graphscale.Audit.replayable` does (NOTE [ Audit by replay ] in
-        _tools/replay.py)."""
+        :meth:`graphscale.Audit.replayable` does."""
         return self._replays.wrap(fn)
 
     @property
@@ -155,7 +154,7 @@ class Diagnosis:
         leaves = [p for p in reached_leaves(call.roots, call.inputs_arg) if id(p) in state.owner]
         if not leaves or any(g is None and t.numel() != 1 for t, g in zip(roots, grads)):
             return call.run(None)
-        ref = reference(state, roots, grads, leaves, self._replays)  # NOTE [ Audit by replay ] where needed
+        ref = reference(state, roots, grads, leaves, self._replays)  # by replay where needed
         pairs = ref.compared(leaves)
         leaves = [p for p, _ in pairs]
         with Capture(leaves) as got:
@@ -188,7 +187,7 @@ class Diagnosis:
 
 
 def _cause(group: Group, observed: float, mixed: bool, groups: Sequence[Group], caller: Any) -> str:
-    """Which shape of graph gives ``group`` the factor ``observed`` (NOTE [ Diagnosis without graphscale ])."""
+    """Which shape of graph gives ``group`` the factor ``observed``."""
     if mixed:
         return ("paths with different factors meet in this gradient: it reaches the parameters both through "
                 "this engine's output and through a direct call of its module (engine + engine.module), or "
@@ -219,9 +218,8 @@ def diagnose(*engines: Any, rtol: float = 1e-4, **named: Any) -> Diagnosis:
     engine and parameter the factor DeepSpeed's backward gave beside the one
     it should have (``1/GAS`` of the owning engine; 1 under
     ``scale_wrt_gas=False``; times an fp16 engine's own loss scale), and the
-    shape of graph that caused each wrong one (NOTE [ Diagnosis without
-    graphscale ]).  Nothing is governed or changed: the gradients are
-    DeepSpeed's own.
+    shape of graph that caused each wrong one.  Nothing is governed or
+    changed: the gradients are DeepSpeed's own.
 
     Args:
         *engines: the DeepSpeed engines to watch (``deepspeed.DeepSpeedEngine``).

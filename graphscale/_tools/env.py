@@ -1,14 +1,5 @@
 """``python -m graphscale env``: what graphscale sees, in a block made to
 paste into a bug report (as ``ds_report`` and ``accelerate env`` are).
-
-One row per fact: Python, the platform, torch and its CUDA, the frameworks
-graphscale adapts (each adapter's own rows: DeepSpeed's version and its drift
-checks), the other libraries users train with, the C++ compiler and ninja the
-native walker builds with, the native walker's state and its build log, the
-route a backward takes and the native route's self-test.  Usable is False for
-what a backward needs and is missing or refused (a DeepSpeed whose drift
-checks fail: no engine can be installed); a native walker that did not build
-is reported but usable (the Python walker plans, exactly).
 """
 from __future__ import annotations
 
@@ -87,7 +78,13 @@ def _newer(name: str, version: str) -> str:
 
 def rows(wait: float = 0.0) -> list[Row]:
     """Every row of the report; ``wait``: seconds to wait for a native walker
-    build under way."""
+    build under way.
+
+    One row per fact: Python, the platform, torch and its CUDA, the frameworks
+    graphscale adapts (each adapter's own rows: DeepSpeed's version and its
+    drift checks), the other libraries users train with, the C++ compiler and
+    ninja the native walker builds with, the native walker's state and its
+    build log, the route a backward takes and the native route's self-test."""
     cuda = torch.version.cuda or "none (CPU build)"
     out: list[Row] = [
         ("graphscale", f"{_version('graphscale')} ({_PACKAGE_DIR})", True),
@@ -104,7 +101,12 @@ def rows(wait: float = 0.0) -> list[Row]:
 
 
 def report(wait: float = 0.0) -> tuple[str, bool]:
-    """The report's text and whether everything a backward needs is usable."""
+    """The report's text and whether everything a backward needs is usable.
+
+    A row is not usable where a backward needs it and it is missing or
+    refused (a DeepSpeed whose drift checks fail: no engine can be
+    installed); a native walker that did not build is reported but usable
+    (the Python walker plans, exactly)."""
     found = rows(wait)
     width = max(len(what) for what, _, _ in found)
     lines = ["graphscale environment (paste this block into a bug report)", "-" * 60]

@@ -1,12 +1,11 @@
 """``graphscale.explain``: the plan a backward would run, without running it.
 
-The explanation is made by the same code the governed backward runs: the
-decision (:func:`~graphscale._backward.decide.decide`) and the Python reference
-planner (:func:`~graphscale._planner.plan.build`, whose plans the native walker
-repeats).  What it shows is what the backward would do with the groups
-installed now and the factors read now, fp16 loss scales included
-(:meth:`~graphscale._core.snapshot.State.read`, as the backward reads them).
-The value it returns, and its renderers, are in ``_tools/explained.py``.
+Made by the same code the governed backward runs: the decision
+(:func:`~graphscale._backward.decide.decide`) and the Python reference planner
+(:func:`~graphscale._planner.plan.build`, whose plans the native walker
+repeats), with the groups installed now and the factors read now, fp16 loss
+scales included (:meth:`~graphscale._core.snapshot.State.read`).  The value
+it returns, and its renderers, are in ``_tools/explained.py``.
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ class ExplainedPlan:
         walk_us: microseconds :func:`explain` spent walking and planning
             (on the fast path the backward itself walks nothing).
         fast_path: True when the backward would walk nothing and scale the
-            seeds by one factor (NOTE [ Fast path ] in ``_entry/entry.py``).
+            seeds by one factor (see NOTE [ Fast path ] in _entry/entry.py).
         note: the decision, in words.
         groups: the installed groups, as :class:`GroupInPlay`.
         unowned_leaves: leaves reached that no group owns.

@@ -1,7 +1,8 @@
 """One audited backward, leaf by leaf: the leaves it reaches (by the audit's
 own walk, not the planner's), the gradient the backward hands each
 (:class:`Capture`), and each leaf's row: that gradient beside the factor it
-must have times its plain gradient (NOTE [ Audit reference ] in _tools/audit.py)."""
+must have times its plain gradient.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -72,10 +73,9 @@ def plain_reference(state: State, roots: Sequence[Any], seeds: Sequence[Any],
                     leaves: Sequence[torch.Tensor], retain: bool = True) -> tuple[torch.Tensor | None, ...]:
     """The plain gradient of each of ``leaves`` for a backward of ``roots``
     with ``seeds``, nothing accumulated, the graph task bound as a reference
-    pass (NOTE [ Audit reference ] in _tools/audit.py): output hooks of engines
-    ``state`` names neither divide nor run their prologue.  ``retain``: the
-    graph is the real backward's own, kept for it (a replayed one is not:
-    NOTE [ Audit by replay ] in _tools/replay.py)."""
+    pass: output hooks of engines ``state`` names neither divide nor run
+    their prologue.  ``retain``: the graph is the real backward's own, kept
+    for it (a replayed one is not).  (See NOTE [ Audit reference ] in _tools/audit.py.)"""
     with _running.bound(roots, _running.reference_binding(state)) as bound_roots:
         return torch.autograd.grad(bound_roots, leaves, grad_outputs=list(seeds), retain_graph=retain,
                                    allow_unused=True)
@@ -159,10 +159,10 @@ def _row(state: State, factors: dict[Group, float], p: torch.Tensor, g: torch.Te
 
 def rows_of(state: State, factors: dict[Group, float], leaves: Sequence[torch.Tensor],
             ref: Sequence[torch.Tensor | None], got: Sequence[torch.Tensor | None]) -> list[Row]:
-    """Every leaf's row, each with the factor it must have.  NOTE [ Unowned
-    leaves ]: a backward that reaches no owned leaf is plain PyTorch;
-    otherwise the policy's protected unowned leaves get exactly g, the others
-    all one factor in play (the one that explains them best)."""
+    """Every leaf's row, each with the factor it must have: a backward that
+    reaches no owned leaf is plain PyTorch; otherwise the policy's protected
+    unowned leaves get exactly g, the others all one factor in play (the one
+    that explains them best).  (See NOTE [ Unowned leaves ] in _core/snapshot.py.)"""
     rows = [_row(state, factors, p, g, d) for p, g, d in zip(leaves, ref, got)]
     if all(r.factor is None for r in rows):
         for r in rows:

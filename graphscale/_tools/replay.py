@@ -1,58 +1,5 @@
 """The reference of an audited (or diagnosed) backward: over the backward's
 own graph, or from the micro-step's forward called once more.
-
-# NOTE [ Audit by replay ]
-# The plain reference (NOTE [ Audit reference ] in _tools/audit.py) is a second
-# pass over the backward's own graph.  A group whose adapter says that cannot
-# be (_core/registry.py audit_replay: a DeepSpeed engine at ZeRO stage 3, which
-# gathers its partitioned parameters for one backward per forward) takes it
-# from a fresh graph instead: the function the user wrapped with
-# ``handle.replayable(fn)``, called once more with the arguments of the call
-# whose result is the backward's root.
-#   * Matched by identity: each root of the backward (or, inside
-#     engine.backward(loss), the loss given to it: the root torch sees is
-#     DeepSpeed's loss x its fp16 scale) must be a tensor that a call of the
-#     wrapper returned, alone or in a tuple, list or dict; each call is
-#     replayed once, whichever of its tensors are roots.  A root matched to no
-#     call is refused before anything runs, saying how to pass one.
-#   * Same randomness: torch's CPU generator (and CUDA's, where initialised)
-#     is set to its state at the start of the original call, so dropout draws
-#     the same masks, and put back afterwards: the user's stream goes on as if
-#     no replay ran (forked).
-#   * Same buffers: the first call records every buffer of every module
-#     whose forward it runs, as it was before that module's first forward
-#     (a global forward pre-hook, there only during the call, and only while
-#     a backward would need a replay: the wrapper only calls ``fn``
-#     elsewhere).  The replay runs from those values (a module that reads
-#     what it updates, BatchNorm's count, computes what the first call did),
-#     and every buffer is put back afterwards as the first call left it
-#     (BatchNorm's running statistics moved once per micro-step, not twice).
-#     Written through ``.data``, so their version counters do not change,
-#     as a module's own update leaves them: the real graph may have saved
-#     them for its backward (BatchNorm does).
-#   * Nothing accumulated or stepped: the reference is
-#     torch.autograd.grad(replayed roots, inputs=the real backward's leaves),
-#     bound as a reference pass like the one over the same graph: no
-#     AccumulateGrad runs (ZeRO's reductions hang there), no engine prologue
-#     or GAS division.  ZeRO 3 gathers its parameters for the replay's forward
-#     and for its backward as for any other (measured, DeepSpeed 0.19.8 and
-#     0.19.5: full, plain gradients).
-#   * In lockstep: the replay runs inside the audited backward, after the
-#     user's forward and before the real backward, at the same point on every
-#     rank (ZeRO 3's forward all-gathers); every rank must hand a replay.
-#     Measured: the real backward after it is exact at ZeRO 3, both
-#     DeepSpeed generations, one and two ranks.
-#   * Faithful, or said: each replayed root must equal the real one (the loss
-#     value, to 1e-5 relative, or 4 units of a bf16/fp16 root's epsilon; a
-#     deterministic replay gives the same bits).  One that does not computed something else
-#     (other data, randomness outside torch's generators, a model changed
-#     since the forward), and its reference says nothing: the real backward
-#     still runs (the other ranks are in it), then GraphscaleError is raised
-#     and its gradients are not compared.  So is an owned leaf the real graph
-#     reaches and the replay does not; an unowned one the replay does not
-#     reach (a tensor made inside the function) is left out of the check.
-# Cost: one more forward and backward per audited backward, and the replay's
-# activations beside the real graph's while the reference runs.
 """
 from __future__ import annotations
 
@@ -71,6 +18,23 @@ from .._core.snapshot import State
 from .leaf_rows import dtype_rtol, plain_reference, reached_leaves
 
 __all__ = ["Replays", "Reference", "reference", "needs_replay"]
+
+# NOTE [ Audit by replay ]
+# The plain reference is a second pass over the backward's own graph.
+# (See NOTE [ Audit reference ] in _tools/audit.py.)  Where a group's adapter
+# says that cannot be (audit_replay in _core/registry.py: a DeepSpeed engine
+# at ZeRO 3, which gathers its partitioned parameters for one backward per
+# forward), the reference comes from a fresh graph: the function the user
+# wrapped with handle.replayable(fn), called once more with the arguments of
+# the call that returned the backward's root (matched by identity), from the
+# random-number state and module buffers that call found (both put back
+# afterwards), as torch.autograd.grad over the real backward's leaves, bound
+# as a reference pass (nothing accumulated or stepped).  It runs inside the
+# audited backward, before the real one, at the same point on every rank.  A
+# replayed root that is not the real one is said with GraphscaleError once the
+# real backward has run, and its gradients are not compared.  Cost: one more
+# forward and backward per audited backward.
+# Full record: docs/development.md, 'Audit by replay'.
 
 F = TypeVar("F", bound=Callable[..., Any])
 _KEPT = 32  # calls whose result may still be backpropagated, at most (the oldest go first)
@@ -155,7 +119,7 @@ class _Call:
     def replay(self) -> list[torch.Tensor]:
         """The tensors the function returns when called once more, from the
         randomness and the buffers the first call found, both put back
-        afterwards (NOTE [ Audit by replay ])."""
+        afterwards."""
         now, kept = _rng(), [(m, n, b, b.detach().clone()) for m, n, b, _ in self.buffers or ()]
         log = _BufferLog()
         try:
@@ -179,8 +143,7 @@ def _name(fn: Callable[..., Any]) -> str:
 
 class Replays:
     """The calls of one handle's replayable functions that a backward may
-    still take (NOTE [ Audit by replay ]); ``where``: the handle's function,
-    for messages."""
+    still take; ``where``: the handle's function, for messages."""
 
     def __init__(self, where: str, needed: Callable[[], bool]) -> None:
         self.where, self.needed = where, needed  # needed(): a backward now would need a replay
@@ -252,8 +215,8 @@ def reference(state: State, roots: Sequence[Any], seeds: Sequence[Any], leaves: 
               replays: Replays) -> Reference:
     """The plain gradient of each of ``leaves`` for a backward of ``roots``
     with ``seeds`` (what the seeds carry already stripped): over the same
-    graph, or by replay where a reached group needs it (NOTE [ Audit by
-    replay ]); raises the refusal where it needs one and none matches."""
+    graph, or by replay where a reached group needs it; raises the refusal
+    where it needs one and none matches."""
     why = _why_replay(state, leaves)
     if why is None:
         try:
