@@ -26,11 +26,11 @@ __all__ = ["checkpoint_hint", "checkpoint_hint_positions"]
 # one group, the outer plan pins the node to that group's factor, so the
 # nested plan, starting from that base, has nothing to multiply.  A hint only
 # chooses a potential, and any choice is exact, so a wrong or stale hint costs
-# multiplications, never correctness (see NOTE [ Potentials ]).  Hence a module's
-# parameters are read once, at its first hint, and kept (by id, weakly keyed
-# by the module) across installations: reading them is most of a hint's cost,
-# and a backward right after install() would pay it for every checkpointed
-# layer.  Parameters added to or replaced in a module later are not seen.
+# multiplications, never correctness.  (See NOTE [ Potentials ] in _planner/potentials.py.)
+# Hence a module's parameters are read once, at its first hint, and kept (by
+# id, weakly keyed by the module) across installations: reading them is most
+# of a hint's cost, and a backward right after install() would pay it for
+# every checkpointed layer.  Parameters added to or replaced in a module later are not seen.
 _module_param_ids: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
 
