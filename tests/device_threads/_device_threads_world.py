@@ -19,15 +19,17 @@ GAS = {"A": 2, "B": 4}
 
 class World:
     """A, B, U on the device; ``x``, ``y`` inputs there (leaves that need no
-    gradient unless a test asks); ``groups``: which of A, B are installed."""
+    gradient unless a test asks); ``groups``: which of A, B are installed,
+    with ``gas`` (default :data:`GAS`)."""
 
-    def __init__(self, groups: str = "AB", seed: int = 0) -> None:
+    def __init__(self, groups: str = "AB", seed: int = 0, gas: dict[str, int] | None = None) -> None:
         torch.manual_seed(seed)
         self.mods = {name: dt.to_device(torch.nn.Linear(4, 4)) for name in "ABU"}
         g = torch.Generator().manual_seed(seed + 1)
         self.x = dt.to_device(torch.randn(3, 4, generator=g))
         self.y = dt.to_device(torch.randn(3, 4, generator=g))
         self.groups = groups
+        self.gas = dict(GAS if gas is None else gas)
         self.reached: list[str] = []
 
     @property
@@ -48,10 +50,10 @@ class World:
     def factor(self, name: str) -> float:
         """The contract's factor of a parameter: 1/GAS of its group, 1 unowned."""
         owner = name.split(".")[0]
-        return 1.0 / GAS[owner] if owner in self.groups else 1.0
+        return 1.0 / self.gas[owner] if owner in self.groups else 1.0
 
     def install(self) -> graphscale.Installation:
-        return graphscale.install(*(graphscale.Group(self.mods[n], gas=GAS[n]) for n in self.groups))
+        return graphscale.install(*(graphscale.Group(self.mods[n], gas=self.gas[n]) for n in self.groups))
 
     def take_grads(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient (a CPU copy), then cleared."""
