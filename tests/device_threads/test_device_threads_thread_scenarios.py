@@ -13,6 +13,23 @@ on the roots, which run on the device thread; the backward's caller is a
 thread of its own, and the test's thread installs and removes.  Every wait
 is bounded (a deadlock fails the test, it does not hang it); no hook raises
 (an exception in a device node aborts the process: tests/_device_threads.py).
+
+What of tests/test_cuda.py runs on this device, and what still needs a GPU:
+
+* runs here, with plain groups: its device-thread premise (hooks off the
+  caller's thread: test_device_threads_device.py) and its thread scenarios
+  (governed on a device thread: test_device_threads_groups.py and
+  test_device_threads_nested.py; remove() and install() mid-backward,
+  torch.autograd.grad, remove() before a recompute: here);
+* needs a real GPU: everything with DeepSpeed engines on CUDA (DeepSpeed's
+  CUDA accelerator, the one-rank NCCL group, ZeRO's reduction and
+  partitioning on device; DeepSpeed's output hooks finding the task binding
+  on a device thread, which plain groups never make), fp16/bf16 kernels and
+  loss scaling (tests/test_fp16.py), CUDA's float32 kernels against the CPU
+  oracle (CUDA_FP32_TOL), streams (the device has one implicit stream:
+  nothing crosses streams here), a backward that raises on a device thread
+  (it aborts this device), the non-reentrant checkpoint (it aborts plain
+  torch here), several GPUs, and ``scripts/gpu_check.sh``'s benchmark.
 """
 from __future__ import annotations
 
