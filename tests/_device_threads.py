@@ -19,10 +19,13 @@ collective, device memory (allocator, ``empty_cache``, out-of-memory), several
 devices, and DeepSpeed's CUDA accelerator.  An exception raised in a
 backward node on the device aborts the process (torch's Python device guard
 calls into Python while unwinding with the error set; CUDA's guard is C++),
-so a backward that raises cannot be tested here.  A non-reentrant checkpoint
-aborts plain torch on this device (saved-tensor hooks meet the wrapper), so
-the tests leave it out; RNG state is not per device (the backend module has
-no ``_initialized``, so checkpoint keeps only the CPU's).
+so a backward that raises cannot be tested here.  RNG state is not per
+device (the backend module has no ``_initialized``, so checkpoint keeps only
+the CPU's).  Both checkpoints work here.  Issue 51 reported that a
+non-reentrant checkpoint aborts plain torch on such a device; on this one
+it does not (tests/device_threads/test_device_threads_nested.py runs it),
+with or without the factories below: presumably that wrapper raised inside
+a node, which aborts as said above (not reproduced).
 
 Checked on torch 2.13.0 (CPU build).  The private API it rests on is marked
 experimental: :func:`setup` fails with the torch version in the message if

@@ -24,13 +24,13 @@ from _device_threads_world import World
 
 
 def ckpt(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, threads: dt.ThreadLog,
-         name: str) -> torch.Tensor:
-    """``checkpoint(fn, t, use_reentrant=True)``, recording the thread its recompute ran on."""
+         name: str, reentrant: bool = True) -> torch.Tensor:
+    """``checkpoint(fn, t, use_reentrant=...)``, recording the thread its recompute ran on."""
     def block(u: torch.Tensor) -> torch.Tensor:
-        if torch._C._current_autograd_node() is not None:  # the recompute: inside the checkpoint's node
+        if torch._C._current_autograd_node() is not None:  # the recompute: inside a node of the backward
             threads.mark(name)
         return fn(u)
-    return torch.utils.checkpoint.checkpoint(block, t, use_reentrant=True)
+    return torch.utils.checkpoint.checkpoint(block, t, use_reentrant=reentrant)
 
 
 class BackwardInBackward(torch.autograd.Function):
@@ -55,6 +55,7 @@ class Case:
     loss: Callable[[World, dt.ThreadLog], torch.Tensor]
     marks: tuple[str, ...]  # recomputes / nested backwards that must have run on the device thread
     groups: str = "AB"
+    backwards: int = 2  # governed backwards at least: the outer one and a nested one
 
 
 def _leaf(w: World) -> torch.Tensor:
@@ -84,6 +85,13 @@ CASES = [
     Case("custom_function_backward_in_backward",
          lambda w, th: w.A(BackwardInBackward.apply(w.U(w.x), lambda: (th.mark("nested"), w.B(w.y).square().sum())[1]))
          .square().sum(), ("nested",)),
+    # non-reentrant: no nested backward; the recompute runs in the unpack hooks, on the device thread
+    Case("nonreentrant_ckpt_around_two_groups",
+         lambda w, th: ckpt(lambda t: w.A(t) * w.B(t), w.U(w.x), th, "ckpt", reentrant=False).sum(), ("ckpt",),
+         backwards=1),
+    Case("nonreentrant_ckpt_inside_nested_A_of_B",
+         lambda w, th: w.A(torch.tanh(ckpt(lambda t: torch.tanh(w.B(t)), w.U(w.x), th, "ckpt", reentrant=False)))
+         .square().sum(), ("ckpt",), backwards=1),
 ]
 
 
@@ -109,6 +117,6 @@ def test_nested_backwards_on_the_device_thread_give_every_parameter_plain_times_
     world = World(case.groups)
     threads = dt.ThreadLog()
     world.watch(threads)
-    problems = world.mismatches(lambda: STYLES[style](case.loss(world, threads)), route, times=2)
+    problems = world.mismatches(lambda: STYLES[style](case.loss(world, threads)), route, times=case.backwards)
     assert not problems, problems
     threads.assert_on_device_thread(*world.reached, *case.marks)

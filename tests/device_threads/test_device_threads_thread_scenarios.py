@@ -28,8 +28,8 @@ What of tests/test_cuda.py runs on this device, and what still needs a GPU:
   loss scaling (tests/test_fp16.py), CUDA's float32 kernels against the CPU
   oracle (CUDA_FP32_TOL), streams (the device has one implicit stream:
   nothing crosses streams here), a backward that raises on a device thread
-  (it aborts this device), the non-reentrant checkpoint (it aborts plain
-  torch here), several GPUs, and ``scripts/gpu_check.sh``'s benchmark.
+  (it aborts this device), several GPUs, and ``scripts/gpu_check.sh``'s
+  benchmark.
 """
 from __future__ import annotations
 
