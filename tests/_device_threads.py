@@ -17,8 +17,10 @@ implicit stream: every op runs synchronously on the device thread), real
 kernels (CUDA's summation orders, TF32, fp16/bf16 kernels), NCCL or any
 collective, device memory (allocator, ``empty_cache``, out-of-memory), several
 devices, and DeepSpeed's CUDA accelerator.  An exception raised in a
-backward node on the device aborts the process (torch's Python device guard
-calls into Python while unwinding with the error set; CUDA's guard is C++),
+backward node on the device aborts the process (seen in gdb: a stream
+guard's destructor, unwinding, calls torch's Python device guard's
+exchangeStream, whose call into Python fails in a noexcept path:
+std::terminate; CUDA's guard is C++),
 so a backward that raises cannot be tested here.  RNG state is not per
 device (the backend module has no ``_initialized``, so checkpoint keeps only
 the CPU's).  Both checkpoints work here.  Issue 51 reported that a

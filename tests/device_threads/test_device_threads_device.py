@@ -125,7 +125,7 @@ def test_an_exception_raised_in_a_device_node_aborts_the_process_without_graphsc
     """A limit of the emulation, pinned so it is noticed when torch lifts it:
     an exception out of a node on the device thread unwinds through torch's
     Python device guard (``torch._C._acc`` PythonDeviceGuard.exchangeStream,
-    which calls into Python with the error still set) and the process aborts
+    whose call into Python fails in a noexcept path: seen in gdb) and the process aborts
     (SIGABRT, "terminate called without an active exception"), graphscale or
     not.  CUDA's guard is C++ and raises to the caller.  So the families of a
     backward that raises (tests/test_failed_backward.py) do not run here."""
