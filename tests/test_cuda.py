@@ -18,6 +18,11 @@ else every test here skips with the reason.
   thread-local (each scenario checks that they did not), so only the graph
   task binding keeps a governed backward governed, including through a
   remove() from another thread in the middle of it.
+
+Without a GPU, the thread scenarios with plain groups run on an emulated
+device whose backward runs on its own autograd device thread
+(tests/_device_threads.py, tests/device_threads/); what only a GPU can
+check is listed in tests/device_threads/test_device_threads_thread_scenarios.py.
 """
 from __future__ import annotations
 
