@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import grad_mismatches, leaf_grads
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -15,6 +14,8 @@ import graphscale
 from graphscale._backward import entry as _backward
 from graphscale._backward import running as _running
 from graphscale._core import snapshot as _snapshot
+
+from helpers.grads import grad_mismatches, leaf_grads
 
 F64 = torch.float64
 

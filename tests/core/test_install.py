@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import grad_mismatches, leaf_grads, require_deepspeed
 from torch import nn
 
 import graphscale
 from graphscale._backward import entry as _backward
 from graphscale._core import snapshot as _snapshot
+
+from helpers.engines import require_deepspeed
+from helpers.grads import grad_mismatches, leaf_grads
 
 TORCH_BACKWARD = torch.autograd.backward  # as torch shipped it, read before any install
 

@@ -1,4 +1,4 @@
-"""Random programs over 1-4 groups with different GAS (tests/_programs.py),
+"""Random programs over 1-4 groups with different GAS (tests/helpers/programs.py),
 each run plain and governed: owned leaves must get exactly plain/gas, unowned
 leaves exactly plain under unowned="plain" (the unowned Parameters also under
 "plain_params") and plain times one factor in play otherwise.
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import warnings
 
-from _programs import Program, World, programs
-from conftest import grad_mismatches
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import graphscale
+
+from helpers.grads import grad_mismatches
+from helpers.programs import Program, World, programs
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,

@@ -14,12 +14,10 @@ from __future__ import annotations
 import re
 import tomllib
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import require_deepspeed
 
 import graphscale
 from graphscale._adapters.deepspeed import checks as _deepspeed_checks
@@ -28,6 +26,9 @@ from graphscale._backward import python_route as _python_route
 from graphscale._backward import selftest as _selftest
 from graphscale._core import releases as _releases
 from graphscale._tools import env as _env
+
+from helpers.engines import require_deepspeed
+from helpers.paths import REPO
 
 NEWER_TORCH = "2.99.0+cpu"
 NEWER_DEEPSPEED = "0.99.0"
@@ -129,7 +130,7 @@ def test_the_environment_report_names_a_newer_torch(fresh: None, monkeypatch: py
 
 def test_pyproject_bounds_torch_and_deepspeed_from_below_only() -> None:
     """No upper cap that would lock a user on a newer release out (or downgrade their torch)."""
-    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     specs = [*project["dependencies"], *(s for extra in project["optional-dependencies"].values() for s in extra)]
     capped = [s for s in specs if "<" in s]
     assert not capped, f"upper caps: {capped}"

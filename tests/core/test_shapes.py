@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from _functions import BackwardThrough, Cube, Recompute
-from conftest import grad_mismatches, leaf_grads
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import checkpoint
@@ -26,6 +24,9 @@ from graphscale._backward import pyplan as _pyplan
 from graphscale._backward import python_route as _python_route
 from graphscale._core import request as _request
 from graphscale._core import snapshot as _snapshot
+
+from helpers.functions import BackwardThrough, Cube, Recompute
+from helpers.grads import grad_mismatches, leaf_grads
 
 D = 4
 F64 = torch.float64

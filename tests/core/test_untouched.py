@@ -21,42 +21,37 @@ computed in the same test.
    the checkpointed function, and engines (the default against DeepSpeed's
    whole-loss division in engine.backward).
 4. The warning for a group whose parameters a wrapper swapped.
-5. The DeepSpeed reference-model pattern, two gloo ranks (tests/_untouched.py).
+5. The DeepSpeed reference-model pattern, two gloo ranks (tests/helpers/workers/untouched.py).
 
 Before issue 13 (main at 4a546fe) the fast path multiplied every backward's
 seeds by the one factor in play: the snippet gave 0.25, every fast-path
 bystander case here got the installed factor, and the two-rank reference
 got x 1/4 (measured: every "graphscale" reference case fails with error
-0.75 when tests/_untouched.py runs against that commit's graphscale).
+0.75 when tests/helpers/workers/untouched.py runs against that commit's graphscale).
 """
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import _untouched
 import pytest
 import torch
-from _ranks import free_port, rank_results, run_ranks
-from conftest import (
-    HAVE_DEEPSPEED,
-    full_grads,
-    grad_mismatches,
-    leaf_grads,
-    max_rel_err,
-    native_route_or_skip,
-    require_deepspeed,
-)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale._backward import entry as _backward
 from graphscale._backward import sharing as _sharing
+
+from helpers.engines import HAVE_DEEPSPEED, require_deepspeed
+from helpers.grads import full_grads, grad_mismatches, leaf_grads, max_rel_err
+from helpers.paths import WORKERS
+from helpers.ranks import free_port, rank_results, run_ranks
+from helpers.routes import native_route_or_skip
+from helpers.workers import untouched
 
 POLICIES = ("plain_params", "plain", "any")
 DS_MARKS = [pytest.mark.deepspeed, require_deepspeed]
@@ -553,12 +548,12 @@ def test_swapped_parameters_warning_points_at_the_users_backward_call(style: str
 # ---------------------------------------------------------------- 5. the reference-model pattern, two ranks
 @pytest.fixture(scope="module")
 def reference_pattern_results() -> list[dict[str, Any]]:
-    """Spawn two ranks once for every case of tests/_untouched.py."""
+    """Spawn two ranks once for every case of tests/helpers/workers/untouched.py."""
     if not HAVE_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_untouched.py")
+    worker = str(WORKERS / "untouched.py")
     return rank_results(run_ranks([worker], env={"DS_ACCELERATOR": "cpu"}))
 
 
@@ -570,9 +565,9 @@ REFERENCE_RTOL = 1e-5
 @pytest.mark.deepspeed
 @pytest.mark.multirank
 @require_deepspeed
-@pytest.mark.parametrize("mode", _untouched.MODES)
-@pytest.mark.parametrize("variant", list(_untouched.VARIANTS))
-@pytest.mark.parametrize("stage", _untouched.STAGES, ids=lambda s: f"zero{s}")
+@pytest.mark.parametrize("mode", untouched.MODES)
+@pytest.mark.parametrize("variant", list(untouched.VARIANTS))
+@pytest.mark.parametrize("stage", untouched.STAGES, ids=lambda s: f"zero{s}")
 def test_two_rank_ddp_reference_beside_engine_keeps_its_plain_gradients(
         reference_pattern_results: list[dict[str, Any]], stage: int, variant: str, mode: str) -> None:
     """The reference's .grad equals its own plain sum after every micro-step

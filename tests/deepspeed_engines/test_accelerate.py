@@ -56,9 +56,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import ds_config, require_deepspeed, tanh_mlp
 
 import graphscale
+
+from helpers.engines import ds_config, require_deepspeed
+from helpers.models import tanh_mlp
 
 try:
     import accelerate  # noqa: F401

@@ -22,10 +22,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HAVE_DEEPSPEED, ds_config, full_grads, max_rel_err, require_deepspeed, tanh_mlp
 
 import graphscale
 from graphscale import observe
+
+from helpers.engines import HAVE_DEEPSPEED, ds_config, require_deepspeed
+from helpers.grads import full_grads, max_rel_err
+from helpers.models import tanh_mlp
+from helpers.paths import WORKERS
 
 ca = pytest.importorskip("torch._dynamo.compiled_autograd")
 
@@ -117,7 +121,7 @@ def test_compiled_autograd_over_two_groups_is_exact_every_step_and_captures_as_p
 
 
 def test_compiled_autograd_leaves_nothing_behind_after_a_hook_raises() -> None:
-    from conftest import graphscale_hooks_left, spy_handles
+    from helpers.hooks import graphscale_hooks_left, spy_handles
 
     actor, critic = _nets(1)
     x = torch.randn(5, 3)
@@ -262,22 +266,20 @@ def _case_id(case: tuple[str, bool, int]) -> str:
 def deepspeed_alone() -> dict[tuple[str, bool, int], Any]:
     """DeepSpeed alone on the training test's program (critic after the
     engine, no critic step), LONG micro-steps with step(), in a fresh
-    interpreter (tests/_ca_alone.py says why): per case, ran or not, the
+    interpreter (tests/helpers/workers/ca_alone.py says why): per case, ran or not, the
     error, the captures after each micro-step."""
     import json
-    import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    from _ranks import free_port
+    from helpers.ranks import child_env, free_port
 
     if not HAVE_DEEPSPEED:
         pytest.skip("deepspeed is not installed")
     cases = sorted(REFUSED | RUNS | ZERO3)
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env = child_env(MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     configs = {stage: ds_config(4, stage, clip=0.0) for stage in {c[2] for c in cases}}
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("_ca_alone.py")),
+    run = subprocess.run([sys.executable, str(WORKERS / "ca_alone.py"),
                           json.dumps([[*c, "critic"] for c in cases]), str(LONG), json.dumps(configs)],
                          capture_output=True, text=True, env=env, timeout=900)
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]

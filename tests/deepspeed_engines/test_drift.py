@@ -13,11 +13,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import require_deepspeed
 
 import graphscale
 from graphscale._adapters.deepspeed import checks as _deepspeed_checks
 from graphscale._backward import entry as _backward
+
+from helpers.engines import require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -3,7 +3,7 @@ retry is clean, or the engine fails closed (NOTE [ A backward that raised ]
 in graphscale/_backward/frames.py, NOTE [ An aborted backward counts for
 nothing ] in graphscale/_adapters/deepspeed/failed.py).
 
-tests/_failed_backward.py runs each case on real engines, once on one rank
+tests/helpers/workers/failed_backward.py runs each case on real engines, once on one rank
 and once on two gloo ranks: one accumulation window of two micro-steps in
 which one backward raises (in a checkpoint's recompute, reentrant or not, in
 a module's backward, in a user's tensor hook, or right after the engine's
@@ -23,20 +23,21 @@ against the clean control (weights 2-10 % off), with no error.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import _failed_backward as fb
 import pytest
 import torch
-from _ranks import rank_results, run_ranks
-from conftest import HAVE_DEEPSPEED, ds_config, require_deepspeed
+
+from helpers.engines import HAVE_DEEPSPEED, ds_config, require_deepspeed
+from helpers.paths import WORKERS
+from helpers.ranks import rank_results, run_ranks
+from helpers.workers import failed_backward as fb
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
 # float32 weights after one SGD step of lr 0.1; measured 9.2e-8 (one rank)
 WEIGHTS_RTOL = 1e-6
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_failed_backward.py")
+WORKER = str(WORKERS / "failed_backward.py")
 
 
 def _run(world: int) -> list[dict[str, Any]]:

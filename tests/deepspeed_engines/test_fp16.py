@@ -55,10 +55,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TanhMLP as Net
-from conftest import ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
+
+from helpers.engines import ds_config, ds_device, require_deepspeed
+from helpers.grads import full_grads, max_rel_err
+from helpers.models import TanhMLP as Net
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

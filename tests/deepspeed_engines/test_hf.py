@@ -30,15 +30,17 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import ds_config, max_rel_err, require_deepspeed
 
 import graphscale
+
+from helpers.engines import ds_config, require_deepspeed
+from helpers.grads import max_rel_err
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
 pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
 
-import _hf  # noqa: E402  (after the skip: its builders import transformers)
+from helpers import hf  # noqa: E402  (after the skip: its builders import transformers)
 
 # NOTE [ Why DeepSpeed alone divides several times on HF outputs ]
 # DeepSpeed <= 0.19.5, and >= 0.19.6 under a direct ``loss.backward()``,
@@ -77,25 +79,25 @@ Forward = Mapping[str, Callable[..., Any]]  # model name -> what a forward goes 
 Modules = Mapping[str, torch.nn.Module]  # model name -> the bare module (engine.module or the plain model)
 
 
-def _ppo(detach: bool) -> Callable[[Forward, Modules, _hf.Batch], torch.Tensor]:
-    def graph(f: Forward, m: Modules, b: _hf.Batch) -> torch.Tensor:
+def _ppo(detach: bool) -> Callable[[Forward, Modules, hf.Batch], torch.Tensor]:
+    def graph(f: Forward, m: Modules, b: hf.Batch) -> torch.Tensor:
         out = f["actor"](input_ids=b.ids, output_hidden_states=True)
         hidden = out.hidden_states[-1]
         values = f["critic"](inputs_embeds=hidden.detach() if detach else hidden)
-        return _hf.ppo_loss(out, values, b)
+        return hf.ppo_loss(out, values, b)
 
     return graph
 
 
-def _issue_8224(f: Forward, m: Modules, b: _hf.Batch) -> torch.Tensor:
-    return _hf.lm_loss(f["lm"](input_ids=b.ids), b.ids) + _hf.lm_loss(m["lm"](input_ids=b.ids2), b.ids2)
+def _issue_8224(f: Forward, m: Modules, b: hf.Batch) -> torch.Tensor:
+    return hf.lm_loss(f["lm"](input_ids=b.ids), b.ids) + hf.lm_loss(m["lm"](input_ids=b.ids2), b.ids2)
 
 
-def _distill(f: Forward, m: Modules, b: _hf.Batch) -> torch.Tensor:
-    return _hf.distill_loss(f["student"](input_ids=b.ids, labels=b.ids), f["teacher"](input_ids=b.ids))
+def _distill(f: Forward, m: Modules, b: hf.Batch) -> torch.Tensor:
+    return hf.distill_loss(f["student"](input_ids=b.ids, labels=b.ids), f["teacher"](input_ids=b.ids))
 
 
-def _hf_labels(f: Forward, m: Modules, b: _hf.Batch) -> torch.Tensor:
+def _hf_labels(f: Forward, m: Modules, b: hf.Batch) -> torch.Tensor:
     return f["lm"](input_ids=b.ids, labels=b.ids).loss
 
 
@@ -105,7 +107,7 @@ class Shape:
     ("lm" or "critic"); ``main``: the language model that a case's LoRA and
     checkpointing variants apply to."""
 
-    graph: Callable[[Forward, Modules, _hf.Batch], torch.Tensor]
+    graph: Callable[[Forward, Modules, hf.Batch], torch.Tensor]
     models: dict[str, str]
     main: str
 
@@ -209,14 +211,14 @@ def build(case: Case, name: str) -> torch.nn.Module:
     kind, seed = shape.models[name], SEEDS[name]
     main = name == shape.main
     if kind == "critic":
-        return _hf.tiny_critic(seed)
+        return hf.tiny_critic(seed)
     if main and case.lora:
         pytest.importorskip("peft", reason="the LoRA cases need peft")
-        model = _hf.lora_lm(seed)
+        model = hf.lora_lm(seed)
     else:
-        model = _hf.tiny_lm(seed)
+        model = hf.tiny_lm(seed)
     if main and case.ckpt:
-        _hf.enable_checkpointing(model, reentrant=case.ckpt == "reentrant")
+        hf.enable_checkpointing(model, reentrant=case.ckpt == "reentrant")
     return model
 
 
@@ -260,7 +262,7 @@ def run_engines(case: Case, with_graphscale: bool) -> Result:
     from deepspeed.utils import safe_get_full_grad
 
     engines = make_engines(case)
-    batch = _hf.make_batch(0)
+    batch = hf.make_batch(0)
     inst = graphscale.install(*engines.values()) if with_graphscale else None
     try:
         loss = SHAPES[case.shape].graph(engines, {n: e.module for n, e in engines.items()}, batch)
@@ -281,7 +283,7 @@ def oracle(case: Case, factors: bool = True) -> Result:
     """Plain PyTorch, float32: each model's gradient times 1/GAS of its engine
     (``factors=False``: the plain gradient itself)."""
     models = {n: build(case, n) for n in SHAPES[case.shape].models}
-    loss = SHAPES[case.shape].graph(models, models, _hf.make_batch(0))
+    loss = SHAPES[case.shape].graph(models, models, hf.make_batch(0))
     loss.backward()
     grads = {n: [_grad_or_zeros(p, p.grad) / (case.gas[n] if factors else 1) for _, p in trainable(m)]
              for n, m in models.items()}
@@ -391,7 +393,7 @@ def train_and_compare(case: Case, with_graphscale: bool) -> list[float]:
     inst = graphscale.install(*engines.values()) if with_graphscale else None
     try:
         for step in range(MICRO_STEPS):
-            batch = _hf.make_batch(100 + step)
+            batch = hf.make_batch(100 + step)
             loss = shape.graph(engines, {n: e.module for n, e in engines.items()}, batch)
             if case.call == "loss":
                 loss.backward()

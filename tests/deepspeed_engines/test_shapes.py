@@ -29,10 +29,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from _functions import Boom
-from conftest import TanhMLP, ds_config, ds_device, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
+
+from helpers.engines import ds_config, ds_device, require_deepspeed
+from helpers.functions import Boom
+from helpers.grads import full_grads, max_rel_err
+from helpers.models import TanhMLP
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -38,13 +38,11 @@ import torch
 
 import graphscale
 
-try:
-    from conftest import TanhMLP, ds_config, full_grads, require_deepspeed
-except ImportError:  # run as a worker script: tests/ is not on sys.path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conftest import TanhMLP, ds_config, full_grads, require_deepspeed
-from _functions import Boom
-from _ranks import deepspeed_rank, finish, rank_results, run_ranks
+from helpers.engines import ds_config, require_deepspeed
+from helpers.functions import Boom
+from helpers.grads import full_grads
+from helpers.models import TanhMLP
+from helpers.ranks import deepspeed_rank, finish, rank_results, run_ranks
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -449,7 +447,7 @@ def _worker() -> None:
                   file=sys.stderr, flush=True)
     out["generation"] = generation()
     torch.distributed.barrier()
-    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(out)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 @pytest.fixture(scope="module")

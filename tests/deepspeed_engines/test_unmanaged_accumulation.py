@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ds_config, require_deepspeed
-from test_training_parity import GAS, Net, _data, _fp32_params, _rel
 
 import graphscale
+from deepspeed_engines.test_training_parity import GAS, Net, _data, _fp32_params, _rel
+
+from helpers.engines import ds_config, require_deepspeed
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

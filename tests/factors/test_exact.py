@@ -1,5 +1,5 @@
 """Each group gets exactly its factor, and each engine too (factors beyond
-1/GAS, issue 10 item 4; what the factor tests share: tests/_factors.py):
+1/GAS, issue 10 item 4; what the factor tests share: tests/helpers/factors.py):
 plain groups in every shape, with at most one multiplication per group; a
 parameter in two groups fed by the same factor source; an engine with a
 factor beside an engine with its GAS, which DeepSpeed alone cannot give it;
@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from _factors import (
+
+import graphscale
+
+from helpers.engines import require_deepspeed
+from helpers.factors import (
     BF16_TOL,
     ENGINE_GAS,
     F025,
@@ -36,9 +40,7 @@ from _factors import (
     plain_grads,
     recording,
 )
-from conftest import full_grads, grad_mismatches, leaf_grads, max_rel_err, require_deepspeed
-
-import graphscale
+from helpers.grads import full_grads, grad_mismatches, leaf_grads, max_rel_err
 
 
 # ------------------------------------------------------------------ plain groups: exact, one multiplication each

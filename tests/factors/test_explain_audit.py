@@ -1,5 +1,5 @@
 """``explain`` shows each group's factor as read now, and ``audit`` checks
-custom factors (factors beyond 1/GAS, issue 10 item 4; tests/_factors.py):
+custom factors (factors beyond 1/GAS, issue 10 item 4; tests/helpers/factors.py):
 it passes right ones and reports them, catches a wrong GAS factor beside
 factor groups, a planner applying a wrong custom factor and a wrong factor
 of a factor group, reads a factor callable once per backward, and checks an
@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from _factors import Net, Reads, engine_inputs, inputs, make_engines
-from conftest import require_deepspeed
 
 import graphscale
+
+from helpers.engines import require_deepspeed
+from helpers.factors import Net, Reads, engine_inputs, inputs, make_engines
 
 
 # ------------------------------------------------------------------ explain and audit

@@ -1,5 +1,5 @@
 """A factor callable is read once, at the start of every backward (factors
-beyond 1/GAS, issue 10 item 4; tests/_factors.py): changed between
+beyond 1/GAS, issue 10 item 4; tests/helpers/factors.py): changed between
 backwards, each backward uses the value it read at its start; changed in the
 middle of one, on the fast path, a walked plan or inside a nested backward,
 the running backward keeps the value it read.
@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from _factors import F64_RTOL, Net, Reads, inputs
-from conftest import grad_mismatches, leaf_grads
 
 import graphscale
+
+from helpers.factors import F64_RTOL, Net, Reads, inputs
+from helpers.grads import grad_mismatches, leaf_grads
 
 
 # Each path returns (loss, out): the backward's root and the tensor whose hook

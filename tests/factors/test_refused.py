@@ -1,5 +1,5 @@
 """Bad factors and conflicting groups are refused, and no gradient is
-touched (factors beyond 1/GAS, issue 10 item 4; tests/_factors.py): a bad
+touched (factors beyond 1/GAS, issue 10 item 4; tests/helpers/factors.py): a bad
 value when the group is made; a bad factor callable at the backward, naming
 the group, on plain groups and on engines, with the next good backward
 exact; ``gas=`` with ``factor=``, ``factor=None``, an engine given ``gas=``;
@@ -15,10 +15,24 @@ from typing import Any
 
 import pytest
 import torch
-from _factors import F03_FN, F1, F64_RTOL, FP32_TOL, GAS2_FN, Net, Spec, engine_inputs, inputs, make_engines, recording
-from conftest import full_grads, grad_mismatches, leaf_grads, max_rel_err, require_deepspeed
 
 import graphscale
+
+from helpers.engines import require_deepspeed
+from helpers.factors import (
+    F03_FN,
+    F1,
+    F64_RTOL,
+    FP32_TOL,
+    GAS2_FN,
+    Net,
+    Spec,
+    engine_inputs,
+    inputs,
+    make_engines,
+    recording,
+)
+from helpers.grads import full_grads, grad_mismatches, leaf_grads, max_rel_err
 
 # ------------------------------------------------------------------ bad values
 BAD_VALUES: dict[str, Any] = {

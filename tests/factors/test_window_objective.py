@@ -1,5 +1,5 @@
 """The motivating case of factors beyond 1/GAS (issue 10 item 4;
-tests/_factors.py): a loss whose language-model branch is already
+tests/helpers/factors.py): a loss whose language-model branch is already
 normalised by the token count of the whole accumulation window (so its group
 takes factor 1; DeepSpeed's or a ``gas=`` group's 1/GAS would divide it
 again, as in transformers PR 35808) beside a value branch normalised by a
@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ds_config, full_grads, max_rel_err, require_deepspeed
 
 import graphscale
+
+from helpers.engines import ds_config, require_deepspeed
+from helpers.grads import full_grads, max_rel_err
 
 VOCAB, DIM, SEQ, BATCH = 11, 6, 8, 2
 WINDOW = 4  # micro-batches per accumulation window (the GAS)

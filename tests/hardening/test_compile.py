@@ -13,10 +13,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale._core import walk as _walk
+
+from helpers.engines import require_deepspeed
+from helpers.grads import full_grads, max_rel_err
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 

@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale._backward import entry as _backward
+
+from helpers.engines import require_deepspeed
+from helpers.grads import full_grads, max_rel_err
 
 
 @contextmanager

@@ -10,7 +10,7 @@ after), a vector torch's engine iterates on the other threads with no lock
 (NOTE [ Binding without touching a shared node ] in
 graphscale/_native/bind.h).
 
-Each case runs one scenario of tests/_concurrent_backwards.py in a child
+Each case runs one scenario of tests/helpers/workers/concurrent_backwards.py in a child
 process: many threads, 40 rounds in each of four settings (one group or
 two; the native route or the Python route), every gradient checked against
 plain PyTorch.  A crash is the child's death by a signal, reported with the
@@ -27,26 +27,27 @@ took the governed backward's multipliers).
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 
-import _concurrent_backwards
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(HERE, "_concurrent_backwards.py")
+from helpers.paths import WORKERS
+from helpers.ranks import child_env
+from helpers.workers import concurrent_backwards
+
+CHILD = str(WORKERS / "concurrent_backwards.py")
 HUNG_S = 600  # a bound for a child that deadlocked, not a timing assertion: a run takes seconds
 
 
 def _run(scenario: str, *, walker: str = "native") -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("GRAPHSCALE_ROUTE", None)  # the child sets each route itself
     if walker == "python":  # no native module at all: the Python route's own lock and binding
         env["GRAPHSCALE_WALKER"] = "python"
     try:
-        return subprocess.run([sys.executable, CHILD, scenario], env=env, cwd=HERE, capture_output=True,
+        return subprocess.run([sys.executable, CHILD, scenario], env=env, cwd=WORKERS, capture_output=True,
                               text=True, timeout=HUNG_S)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the child hung (a deadlock?) after: {exc.stdout!r}")
@@ -66,14 +67,14 @@ def _assert_clean(done: subprocess.CompletedProcess[str], settings: int) -> None
     assert done.stdout.count("start ") == settings, done.stdout
 
 
-@pytest.mark.parametrize("scenario", list(_concurrent_backwards.SCENARIOS))
+@pytest.mark.parametrize("scenario", list(concurrent_backwards.SCENARIOS))
 def test_concurrent_backwards_never_crash_and_stay_exact(scenario: str) -> None:
-    _assert_clean(_run(scenario), len(_concurrent_backwards.SETTINGS))
+    _assert_clean(_run(scenario), len(concurrent_backwards.SETTINGS))
 
 
-@pytest.mark.parametrize("scenario", list(_concurrent_backwards.SCENARIOS))
+@pytest.mark.parametrize("scenario", list(concurrent_backwards.SCENARIOS))
 def test_concurrent_backwards_stay_exact_without_the_native_module(scenario: str) -> None:
     """The native walker disabled (a machine that cannot build it): the
     Python route alone, with its own lock and its own binding, which puts a
     pre-hook on shared root nodes (NOTE [ Hooks on shared nodes ])."""
-    _assert_clean(_run(scenario, walker="python"), len(_concurrent_backwards.PYTHON_SETTINGS))
+    _assert_clean(_run(scenario, walker="python"), len(concurrent_backwards.PYTHON_SETTINGS))

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import require_deepspeed
 
 import graphscale
+
+from helpers.engines import require_deepspeed
 
 
 @require_deepspeed

@@ -10,9 +10,11 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
+
+from helpers.engines import require_deepspeed
+from helpers.grads import full_grads, max_rel_err
 
 
 class Recorder:

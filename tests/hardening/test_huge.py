@@ -16,17 +16,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable
 
-import _seams
 import pytest
 import torch
 import torch.utils.hooks
-from conftest import graphscale_hooks_left, max_rel_err, spy_handles
 
 import graphscale
 from graphscale._backward import pyplan as _pyplan
 from graphscale._core import request as _request
 from graphscale._core import snapshot as _snapshot
 from graphscale._core import walk as _walk
+
+from helpers import seams
+from helpers.grads import max_rel_err
+from helpers.hooks import graphscale_hooks_left, spy_handles
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 
@@ -69,8 +71,8 @@ def chain(n: int) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tenso
 @pytest.fixture(autouse=True)
 def _native_hooks_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the native route governs, its hooks are counted by the native
-    module's test build (tests/_seams.py)."""
-    _seams.swap_in(monkeypatch, required=False)
+    module's test build (tests/helpers/seams.py)."""
+    seams.swap_in(monkeypatch, required=False)
 
 def wide(n: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
     """loss = sum(stack([tanh(p_i * x_i)])): n branches, half in each group."""

@@ -16,14 +16,17 @@ import weakref
 from collections import Counter
 from typing import Any, Callable
 
-import _seams
 import pytest
 import torch
 import torch.utils.hooks
-from conftest import full_grads, graphscale_hooks_left, max_rel_err, require_deepspeed, spy_handles
 
 import graphscale
 from graphscale._backward import running as _running
+
+from helpers import seams
+from helpers.engines import require_deepspeed
+from helpers.grads import full_grads, max_rel_err
+from helpers.hooks import graphscale_hooks_left, spy_handles
 
 FULL = os.environ.get("GRAPHSCALE_FULL") == "1"
 
@@ -52,8 +55,8 @@ class LiveObjects:
 @pytest.fixture(autouse=True)
 def _native_hooks_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the native route governs, its hooks are counted by the native
-    module's test build (tests/_seams.py)."""
-    _seams.swap_in(monkeypatch, required=False)
+    module's test build (tests/helpers/seams.py)."""
+    seams.swap_in(monkeypatch, required=False)
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:

@@ -8,10 +8,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale import GraphscaleError
+
+from helpers.engines import require_deepspeed
+from helpers.grads import full_grads, max_rel_err
 
 
 def _plain_grads(loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:

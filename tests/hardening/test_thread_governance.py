@@ -40,17 +40,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import _seams
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import TanhMLP as Net
-from conftest import full_grads, max_rel_err, require_deepspeed
 
 import graphscale
 from graphscale._adapters.deepspeed import hooks as _deepspeed_hooks
 from graphscale._backward import running as _running
 from graphscale._core import snapshot as _snapshot
+
+from helpers import seams
+from helpers.engines import require_deepspeed
+from helpers.grads import full_grads, max_rel_err
+from helpers.models import TanhMLP as Net
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -437,7 +439,7 @@ class _InstalledNow:
 
 
 MUTATIONS: dict[str, Callable[[pytest.MonkeyPatch], None]] = {
-    "unbound": lambda mp: (mp.setattr(_running, "bound", _binds_nothing), _seams.swap_in(mp)._set_may_bind(False)),
+    "unbound": lambda mp: (mp.setattr(_running, "bound", _binds_nothing), seams.swap_in(mp)._set_may_bind(False)),
     "installed_now": lambda mp: mp.setattr(_deepspeed_hooks, "bindings", _InstalledNow()),
 }
 

@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from conftest import ds_config, leaf_grads, tanh_mlp
 
 import graphscale
 from graphscale import observe
+
+from helpers.engines import ds_config
+from helpers.grads import leaf_grads
+from helpers.models import tanh_mlp
 
 F64_RTOL = 1e-12  # float64 models; factors such as 0.3 are not powers of two
 FP32_TOL = 1e-6

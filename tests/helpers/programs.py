@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from _functions import BackwardThrough, Cube, Recompute
-from conftest import leaf_grads
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from helpers.functions import BackwardThrough, Cube, Recompute
+from helpers.grads import leaf_grads
 
 __all__ = ["D", "F64", "GAS_CHOICES", "OPS", "Program", "programs", "World"]
 

@@ -4,7 +4,8 @@ per rank and read what each printed.
 A worker prints one line ``RESULT <json>`` at the end; :func:`rank_results`
 returns those, and fails the test naming the rank that printed none.  This
 module imports neither deepspeed (but inside :func:`deepspeed_rank`) nor
-graphscale, so a worker may import it too.
+graphscale, so a worker may import it too.  A spawned process finds the
+``helpers`` package through :func:`child_env` (tests/ on its PYTHONPATH).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Any
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers.paths import REPO, TESTS
+
 TIMEOUT_S = 300
 
 
@@ -32,15 +34,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def child_env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a spawned test process: ``base`` (this process's
+    when None) with the repository and tests/ first on PYTHONPATH, so the
+    child imports this checkout's graphscale and the ``helpers`` package as
+    the tests do; plus ``extra``."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
 def run_ranks(args: Sequence[str], world: int = 2, env: Mapping[str, str] | None = None) -> list[tuple[int, str]]:
     """Run ``python <args>`` once per rank from the repository root, with
     RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set for gloo on
-    loopback, one OpenMP thread each and the repository on PYTHONPATH (plus
-    ``env``); (exit status, stdout and stderr) per rank.  Skips the test when a
-    process cannot be spawned; fails it when a rank runs past 300 s."""
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-                **(env or {}))
+    loopback, one OpenMP thread each and the repository and tests/ on
+    PYTHONPATH (:func:`child_env`; plus ``env``); (exit status, stdout and
+    stderr) per rank.  Skips the test when a process cannot be spawned;
+    fails it when a rank runs past 300 s."""
+    base = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+                     OMP_NUM_THREADS="1", **(env or {}))
     procs: list[subprocess.Popen[bytes]] = []
     # Each rank writes to a file, not a pipe: a pipe read one rank after the
     # other fills up for the rank not being read (64 KiB of DeepSpeed's

@@ -21,12 +21,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import native_route_or_skip
 
 import graphscale
 from graphscale._backward import call as _call
 from graphscale._backward import entry as _entry
 from graphscale._backward import route as _route
+
+from helpers.routes import native_route_or_skip
 
 # torch reached: its torch.autograd.backward, or (NOTE [ Straight to the engine ] in
 # graphscale/_native/engine.h) its engine call, which a plain governed backward calls itself

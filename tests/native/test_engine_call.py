@@ -15,11 +15,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import leaf_grads, native_route_or_skip
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
+
+from helpers.grads import leaf_grads
+from helpers.routes import native_route_or_skip
 
 GAS = (2, 4)
 

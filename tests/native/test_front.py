@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import full_grads, native_route_or_skip
 from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import observe
 from graphscale._backward import entry as _entry
+
+from helpers.grads import full_grads
+from helpers.routes import native_route_or_skip
 
 ENTRY = _entry.governed_backward.__code__
 

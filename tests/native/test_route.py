@@ -1,7 +1,7 @@
 """The native route (graphscale/_backward/route.py, NOTE [ One native call per
 backward ] in graphscale/_native/registry.h) against the Python route, the
 reference: the same gradients, bit for bit, and the same walks on the
-property tests' random programs (tests/_programs.py) and on the shapes that
+property tests' random programs (tests/helpers/programs.py) and on the shapes that
 take each branch (left alone, fast path, planned, nested); and nothing left
 behind when a native hook or the backward itself fails."""
 from __future__ import annotations
@@ -10,11 +10,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import _seams
 import pytest
 import torch
-from _functions import Boom, Recompute
-from _programs import Program, World, programs
 from hypothesis import HealthCheck, given, settings
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -24,11 +21,15 @@ from graphscale import _native, observe  # noqa: F401
 from graphscale._backward import route as _route
 from graphscale._backward import running as _running
 
+from helpers import seams
+from helpers.functions import Boom, Recompute
+from helpers.programs import Program, World, programs
+
 
 @pytest.fixture
 def native(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The native module's test build (tests/_seams.py), governing for this test."""
-    return _seams.swap_in(monkeypatch)
+    """The native module's test build (tests/helpers/seams.py), governing for this test."""
+    return seams.swap_in(monkeypatch)
 
 
 def _both_routes(run: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:

@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import max_rel_err, native_route_or_skip
 
 import graphscale
 from graphscale import _native, observe
 from graphscale._backward import route as _route
+
+from helpers.grads import max_rel_err
+from helpers.routes import native_route_or_skip
 
 
 def _pair() -> tuple[tuple[graphscale.Group, graphscale.Group], torch.nn.Module, torch.nn.Module]:

@@ -32,7 +32,7 @@ from graphscale._core.request import PlanRequest
 from graphscale._core.snapshot import Reading, State
 from graphscale._native import build as _build
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from helpers.paths import REPO
+
+BENCH = REPO / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 

@@ -18,9 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from _ranks import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO
+from helpers.ranks import free_port
+
+ROOT = REPO
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 README_MAX_LINES = 150

@@ -15,11 +15,12 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO
+
+ROOT = REPO
 EXAMPLES = ROOT / "examples"
 # Each takes 10-25 s on 2 CPU cores with warm caches; the limit leaves room for
 # a loaded CI machine (a script stuck on a collective would otherwise hang).

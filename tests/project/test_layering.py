@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "graphscale"
+from helpers.paths import REPO
+
+PKG = REPO / "graphscale"
 
 # The folders, bottom first: the core, the native backend, the governed
 # backward, then the adapters and the tools side by side (neither imports the

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
 NATIVE_FILES = ("graphscale/_native/__init__.py", "graphscale/_native/build.py", "graphscale/_native/walker.cpp",
                 *sorted(f"graphscale/_native/{p.name}" for p in (REPO / "graphscale" / "_native").glob("*.h")))
 TYPED = "graphscale/py.typed"  # PEP 561: a user's type checker reads graphscale's annotations

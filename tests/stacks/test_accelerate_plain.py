@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import tanh_mlp
 
 import graphscale
+
+from helpers.models import tanh_mlp
 
 try:
     import accelerate  # noqa: F401

@@ -27,9 +27,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import HAVE_DEEPSPEED, ds_device, require_deepspeed
 
 import graphscale
+
+from helpers.engines import HAVE_DEEPSPEED, ds_device, require_deepspeed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.deepspeed, require_deepspeed]
 
@@ -59,7 +60,7 @@ def on_cuda(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # ------------------------------------------------------------------ the DeepSpeed shapes on CUDA
 def _shape_cases() -> list[Any]:
-    from test_deepspeed_shapes import SHAPES, _cases
+    from deepspeed_engines.test_shapes import SHAPES, _cases
 
     wanted = {
         "two_engines-A2B4-engine_A", "two_engines-A2B4-loss", "two_engines-A2B4-roots",
@@ -82,7 +83,7 @@ CUDA_SHAPES = _shape_cases() if HAVE_DEEPSPEED else []
 
 @pytest.mark.parametrize("shape, stage, variant", CUDA_SHAPES)
 def test_every_engine_gets_its_own_factor_on_cuda(on_cuda: None, shape: Any, stage: int, variant: str) -> None:
-    from test_deepspeed_shapes import Pool, errors, oracle, run_deepspeed
+    from deepspeed_engines.test_shapes import Pool, errors, oracle, run_deepspeed
 
     pool = Pool(stage, variant)
     want = oracle(pool, shape)
@@ -95,7 +96,7 @@ def test_every_engine_gets_its_own_factor_on_cuda(on_cuda: None, shape: Any, sta
 @pytest.mark.parametrize("shape, stage, variant", CUDA_SHAPES)
 def test_deepspeed_alone_is_wrong_on_cuda_exactly_where_documented(on_cuda: None, shape: Any, stage: int,
                                                                   variant: str) -> None:
-    from test_deepspeed_shapes import Pool, errors, generation, oracle, run_deepspeed
+    from deepspeed_engines.test_shapes import Pool, errors, generation, oracle, run_deepspeed
 
     pool = Pool(stage, variant)
     want = oracle(pool, shape)
@@ -132,7 +133,7 @@ def test_cuda_backward_runs_engine_output_hooks_off_the_callers_thread(on_cuda: 
 
 
 def _thread_cases() -> list[Any]:
-    from test_thread_governance import SCENARIOS
+    from hardening.test_thread_governance import SCENARIOS
 
     return [pytest.param(n, c, id=f"{n}-{c.id}") for n, s in SCENARIOS.items() for c in s.cases]
 
@@ -143,7 +144,7 @@ THREAD_CASES = _thread_cases() if HAVE_DEEPSPEED else []
 @pytest.mark.parametrize("name, case", THREAD_CASES)
 def test_output_hooks_obey_the_running_backward_on_cuda_device_threads(
         on_cuda: None, make_engine: Any, monkeypatch: pytest.MonkeyPatch, name: str, case: Any) -> None:
-    from test_thread_governance import SCENARIOS
+    from hardening.test_thread_governance import SCENARIOS
 
     problems = SCENARIOS[name].run(make_engine, case, monkeypatch)
     assert not problems, problems

@@ -57,10 +57,11 @@ from typing import Any
 
 import pytest
 import torch
-from _ranks import finish, rank_results, run_ranks
-from conftest import tanh_mlp
 
 import graphscale
+
+from helpers.models import tanh_mlp
+from helpers.ranks import finish, rank_results, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -215,7 +216,7 @@ def _worker() -> None:
                 except Exception as exc:  # reported per case; the other cases still run
                     out[key] = {"error": f"{type(exc).__name__}: {exc}"}
     torch.distributed.barrier()
-    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(out)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from conftest import require_deepspeed
 
 import graphscale
 from graphscale._backward import python_route as _python_route
 from graphscale._core import observation as _observe
+
+from helpers.engines import require_deepspeed
 
 
 def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:

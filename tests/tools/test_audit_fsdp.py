@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import finish, rank_results, run_ranks  # noqa: E402
+from helpers.ranks import finish, rank_results, run_ranks
 
 
 def _run(wrong: bool) -> dict[str, Any]:
@@ -63,7 +61,7 @@ def _worker() -> None:
 
     dist.init_process_group("gloo")
     out = {"exact": _run(False), "wrong": _run(True)}
-    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(out)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 def _have_fsdp2() -> bool:

@@ -15,14 +15,13 @@ check can see it).  ZeRO 3, audited by replay: tests/test_audit_zero3.py.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import finish, rank_results, run_ranks  # noqa: E402
-from conftest import ds_config, require_deepspeed, tanh_mlp  # noqa: E402
+from helpers.engines import ds_config, require_deepspeed
+from helpers.models import tanh_mlp
+from helpers.ranks import finish, rank_results, run_ranks
 
 GAS = {"A": 2, "B": 4}
 STEPS = 8
@@ -107,7 +106,7 @@ def _worker() -> None:
             out[case] = _run(case)
         except Exception as exc:  # reported, not hidden: the test names it
             out[case] = {"error": f"{type(exc).__name__}: {exc}"}
-    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(out)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])

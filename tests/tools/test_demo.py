@@ -6,14 +6,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import require_deepspeed
+
+from helpers.engines import require_deepspeed
+from helpers.paths import REPO
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def _generation_after_pr_8245(version: str) -> bool:

@@ -22,9 +22,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ds_config, full_grads, require_deepspeed, tanh_mlp
 
 import graphscale
+
+from helpers.engines import ds_config, require_deepspeed
+from helpers.grads import full_grads
+from helpers.models import tanh_mlp
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

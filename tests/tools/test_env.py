@@ -9,12 +9,13 @@ import sys
 
 import pytest
 import torch
-from conftest import HAVE_DEEPSPEED
 
 import graphscale
 from graphscale import _native
 from graphscale._backward import route as _route
 from graphscale._tools import env as _env
+
+from helpers.engines import HAVE_DEEPSPEED
 
 
 def test_env_prints_every_row_and_exits_zero_here() -> None:

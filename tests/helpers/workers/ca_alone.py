@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from _ranks import finish  # imports neither deepspeed nor graphscale
+from helpers.ranks import finish  # imports neither deepspeed nor graphscale
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
         except Exception as exc:  # DeepSpeed's own failure: reported, not raised
             error = f"{type(exc).__name__}: {str(exc)[:200]}"
             out[json.dumps(case)] = {"ok": False, "error": error, "captures": captures}
-    finish(out)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(out)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 if __name__ == "__main__":

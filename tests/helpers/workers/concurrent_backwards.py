@@ -1,5 +1,5 @@
 """Many threads, backwards at once: the program tests/test_concurrent_backwards.py
-runs in a child process (``python tests/_concurrent_backwards.py SCENARIO``),
+runs in a child process (``python tests/helpers/workers/concurrent_backwards.py SCENARIO``),
 so that a crash (SIGSEGV) is a failed test, not a dead test run.
 
 Each scenario builds its graphs, starts THREADS threads that run backwards

@@ -1,6 +1,6 @@
 """Issues 31 and 37: a backward that raises, then a retry, then training on: the
 worker that tests/test_failed_backward.py spawns once per world size
-(``python tests/_failed_backward.py``, with RANK, WORLD_SIZE, MASTER_ADDR and
+(``python tests/helpers/workers/failed_backward.py``, with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set), and the plain-PyTorch oracle it checks against.
 
 One engine (ZeRO 1, 2 or 3, GAS 2, SGD) over one accumulation window of two
@@ -45,8 +45,9 @@ import os
 from typing import Any
 
 import torch
-from _ranks import deepspeed_rank, finish
 from torch.utils.checkpoint import checkpoint
+
+from helpers.ranks import deepspeed_rank, finish
 
 __all__ = ["STAGES", "STYLES", "WHERES", "FAIL_AT", "MODES", "TWO_ENGINE_WHERES", "GAS", "run_case", "main"]
 
@@ -200,10 +201,11 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
     oracle after ``step()``, or the error that stopped it.  ``engines=2``: an
     actor and a critic engine in one loss (``engine.backward`` is the actor's)."""
     import deepspeed
-    from conftest import ds_config  # it imports graphscale: here, not at the module's import (torch only)
     from deepspeed.utils import safe_get_full_fp32_param
 
     import graphscale
+
+    from helpers.engines import ds_config  # it imports graphscale: here, not at the module's import (torch only)
 
     mods = models(where, engines)
     model = mods[0]
@@ -261,9 +263,10 @@ def run_case(stage: int, style: str, where: str, fail_at: int, mode: str, rank: 
 def left_behind_case(stage: int, style: str, where: str, mode: str) -> dict[str, Any]:
     """What the engine holds right after a failed first backward of a window."""
     import deepspeed
-    from conftest import ds_config  # it imports graphscale: here, not at the module's import (torch only)
 
     import graphscale
+
+    from helpers.engines import ds_config  # it imports graphscale: here, not at the module's import (torch only)
 
     torch.manual_seed(1)
     model = Net(where)
@@ -323,7 +326,7 @@ def main() -> None:
                     finally:
                         torch.nn.functional.linear = linear
     torch.distributed.barrier()
-    finish(results)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(results)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 if __name__ == "__main__":  # graphscale comes from $PYTHONPATH (the spawning test puts the repo first)

@@ -1,5 +1,5 @@
 """The DeepSpeed reference-model pattern of issue 13, one rank of two: the
-worker that tests/test_untouched.py spawns (``python tests/_untouched.py``,
+worker that tests/test_untouched.py spawns (``python tests/helpers/workers/untouched.py``,
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), and the oracle it
 checks against.
 
@@ -39,7 +39,8 @@ import copy
 from typing import Any, Callable
 
 import torch
-from _ranks import deepspeed_rank, finish
+
+from helpers.ranks import deepspeed_rank, finish
 
 __all__ = ["STAGES", "VARIANTS", "MODES", "GAS", "MICRO_STEPS", "run_case", "main"]
 
@@ -98,9 +99,11 @@ def run_case(stage: int, variant: str, mode: str, rank: int, world: int) -> dict
     relative gradient error after each micro-step, the engine's at the
     boundary, and the ratios of each to its oracle (readable failures)."""
     import deepspeed
-    from conftest import ds_config, full_grads  # it imports graphscale: here, not at the module's import (torch only)
 
     import graphscale
+
+    from helpers.engines import ds_config  # it imports graphscale: here, not at the module's import (torch only)
+    from helpers.grads import full_grads  # it imports graphscale: here, not at the module's import (torch only)
 
     backward, factor = VARIANTS[variant]
     model = _net(1)
@@ -153,7 +156,7 @@ def main() -> None:
                 finally:
                     torch.nn.functional.linear = linear  # ZeRO-3 replaces it process-wide
     torch.distributed.barrier()
-    finish(results)  # NOT the interpreter's teardown: tests/_ranks.py
+    finish(results)  # NOT the interpreter's teardown: tests/helpers/ranks.py
 
 
 if __name__ == "__main__":  # graphscale comes from $PYTHONPATH (the spawning test puts the repo first)
