@@ -60,7 +60,7 @@ def on_cuda(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # ------------------------------------------------------------------ the DeepSpeed shapes on CUDA
 def _shape_cases() -> list[Any]:
-    from deepspeed_engines.test_shapes import SHAPES, _cases
+    from helpers.engine_shapes import SHAPES, shape_cases
 
     wanted = {
         "two_engines-A2B4-engine_A", "two_engines-A2B4-loss", "two_engines-A2B4-roots",
@@ -75,7 +75,7 @@ def _shape_cases() -> list[Any]:
     missing = wanted - {s.id for s in shapes}
     assert not missing, f"shapes renamed in test_deepspeed_shapes.py: {sorted(missing)}"
     # ZeRO 1 and 3 (stage 2 sits between them; scripts/gpu_check.sh runs the whole matrix with the time left)
-    return _cases(shapes, lambda s: tuple(st for st in s.stages if st in (1, 3)))
+    return shape_cases(shapes, lambda s: tuple(st for st in s.stages if st in (1, 3)))
 
 
 CUDA_SHAPES = _shape_cases() if HAVE_DEEPSPEED else []
@@ -83,7 +83,8 @@ CUDA_SHAPES = _shape_cases() if HAVE_DEEPSPEED else []
 
 @pytest.mark.parametrize("shape, stage, variant", CUDA_SHAPES)
 def test_every_engine_gets_its_own_factor_on_cuda(on_cuda: None, shape: Any, stage: int, variant: str) -> None:
-    from deepspeed_engines.test_shapes import Pool, errors, oracle, run_deepspeed
+    from helpers.engine_pool import Pool
+    from helpers.engine_shapes import errors, oracle, run_deepspeed
 
     pool = Pool(stage, variant)
     want = oracle(pool, shape)
@@ -96,7 +97,8 @@ def test_every_engine_gets_its_own_factor_on_cuda(on_cuda: None, shape: Any, sta
 @pytest.mark.parametrize("shape, stage, variant", CUDA_SHAPES)
 def test_deepspeed_alone_is_wrong_on_cuda_exactly_where_documented(on_cuda: None, shape: Any, stage: int,
                                                                   variant: str) -> None:
-    from deepspeed_engines.test_shapes import Pool, errors, generation, oracle, run_deepspeed
+    from helpers.engine_pool import Pool, generation
+    from helpers.engine_shapes import errors, oracle, run_deepspeed
 
     pool = Pool(stage, variant)
     want = oracle(pool, shape)
