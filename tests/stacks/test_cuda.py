@@ -135,7 +135,7 @@ def test_cuda_backward_runs_engine_output_hooks_off_the_callers_thread(on_cuda: 
 
 
 def _thread_cases() -> list[Any]:
-    from hardening.test_thread_governance import SCENARIOS
+    from helpers.thread_scenarios import SCENARIOS
 
     return [pytest.param(n, c, id=f"{n}-{c.id}") for n, s in SCENARIOS.items() for c in s.cases]
 
@@ -146,7 +146,7 @@ THREAD_CASES = _thread_cases() if HAVE_DEEPSPEED else []
 @pytest.mark.parametrize("name, case", THREAD_CASES)
 def test_output_hooks_obey_the_running_backward_on_cuda_device_threads(
         on_cuda: None, make_engine: Any, monkeypatch: pytest.MonkeyPatch, name: str, case: Any) -> None:
-    from hardening.test_thread_governance import SCENARIOS
+    from helpers.thread_scenarios import SCENARIOS
 
     problems = SCENARIOS[name].run(make_engine, case, monkeypatch)
     assert not problems, problems
