@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import graphscale
-from deepspeed_engines.test_training_parity import GAS, Net, _data, _fp32_params, _rel
 
 from helpers.engines import ds_config, require_deepspeed
+from helpers.training import GAS, Net, data, fp32_params, rel_err
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
@@ -69,7 +69,7 @@ def test_unmanaged_accumulation_steps_each_engine_with_its_factor(ds_dist: None,
             for ref in refs.values():
                 ref.zero_grad(set_to_none=True)
             for i in range(N):
-                x, y = _data(0, window * N + i)
+                x, y = data(0, window * N + i)
                 loss = _loss(engines, x, y)
                 if call == "loss":
                     loss.backward()
@@ -84,6 +84,6 @@ def test_unmanaged_accumulation_steps_each_engine_with_its_factor(ds_dist: None,
                 for p in ref.parameters():
                     p.grad = p.grad * factor[n]
                 opts[n].step()
-    errs = {n: _rel([w - w0 for w, w0 in zip(_fp32_params(engines[n]), start[n])],
+    errs = {n: rel_err([w - w0 for w, w0 in zip(fp32_params(engines[n]), start[n])],
                     [p.detach() - w0 for p, w0 in zip(refs[n].parameters(), start[n])]) for n in refs}
     assert max(errs.values()) <= 1e-5, f"weight-change error per engine {errs}"
