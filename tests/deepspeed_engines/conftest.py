@@ -1,4 +1,4 @@
-"""The DeepSpeed-engine tests' fixtures."""
+"""The DeepSpeed-engine tests' fixtures (the suite's: tests/conftest.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -12,3 +12,16 @@ from helpers.engine_pool import Pool
 def pools(ds_dist: None) -> Callable[..., Pool]:
     """``pools(stage, variant="fp32")`` -> a Pool of fresh engines for this test."""
     return Pool
+
+
+@pytest.fixture
+def not_where_deepspeed_recovers_itself() -> None:
+    """Skips the failed-backward tests (their pytestmark uses it) on a
+    DeepSpeed that discards or rejects an aborted backward itself (PR 8245's
+    head): graphscale leaves that to it, so these cases, written for the
+    releases that do not, do not apply; DeepSpeed's own lifecycle tests pin
+    it there (docs/contract.md, "After a backward that raised")."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if hasattr(ZeROOptimizer, "_ensure_backward_complete_before_step"):
+        pytest.skip("this DeepSpeed recovers from an aborted backward itself, and graphscale leaves it to it")
