@@ -1,0 +1,35 @@
+"""What the audit tests (tests/tools/test_audit*.py) share: a nested
+program and a planner made wrong on purpose."""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import graphscale
+from graphscale._backward import python_route as _python_route
+from graphscale._core import observation as _observe
+
+from helpers.engines import require_deepspeed
+
+
+def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
+    torch.manual_seed(0)
+    outer, inner = torch.nn.Linear(3, 1), torch.nn.Linear(3, 3)
+    x = torch.randn(4, 3)
+    groups = [graphscale.Group(outer, gas=2, name="outer"), graphscale.Group(inner, gas=4, name="inner")]
+    return groups, lambda: outer(torch.tanh(inner(x))).sum()
+
+
+def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner bug: every edge multiplication applied twice over (in the
+    Python route's hooks, so the route is switched to it)."""
+    from graphscale._backward import route as _route
+
+    monkeypatch.setattr(_route, "enabled", False)
+    real = _python_route.post_hook
+    monkeypatch.setattr(_python_route, "post_hook",
+                        lambda mults, *rest: real(tuple((k, 2 * m) for k, m in mults), *rest))
