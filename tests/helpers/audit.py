@@ -2,21 +2,16 @@
 program and a planner made wrong on purpose."""
 from __future__ import annotations
 
-import copy
-import logging
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
 
 import graphscale
 from graphscale._backward import python_route as _python_route
-from graphscale._core import observation as _observe
-
-from helpers.engines import require_deepspeed
 
 
-def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
+def nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
     torch.manual_seed(0)
     outer, inner = torch.nn.Linear(3, 1), torch.nn.Linear(3, 3)
     x = torch.randn(4, 3)
@@ -24,7 +19,7 @@ def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
     return groups, lambda: outer(torch.tanh(inner(x))).sum()
 
 
-def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
+def double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
     """A planner bug: every edge multiplication applied twice over (in the
     Python route's hooks, so the route is switched to it)."""
     from graphscale._backward import route as _route

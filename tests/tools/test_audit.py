@@ -3,23 +3,19 @@ checked against a plain reference; a right scaling passes, a wrong one is
 named.  Over DeepSpeed engines: test_audit_engines.py."""
 from __future__ import annotations
 
-import copy
 import logging
-from typing import Any, Callable
 
 import pytest
 import torch
 
 import graphscale
-from graphscale._backward import python_route as _python_route
 from graphscale._core import observation as _observe
 
-from helpers.engines import require_deepspeed
-from helpers.audit import _double_every_edge_multiplier, _nested
+from helpers.audit import double_every_edge_multiplier, nested
 
 
 def test_a_right_scaling_passes_and_is_reported_per_group() -> None:
-    groups, loss = _nested()
+    groups, loss = nested()
     with graphscale.install(*groups), graphscale.audit() as check:
         loss().backward()
         loss().backward()  # accumulates into .grad: the audit compares the change
@@ -30,10 +26,10 @@ def test_a_right_scaling_passes_and_is_reported_per_group() -> None:
 
 
 def test_a_wrong_edge_multiplier_is_caught_naming_group_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
-    groups, loss = _nested()
+    groups, loss = nested()
     with graphscale.install(*groups), graphscale.audit() as check:
         loss().backward()  # right
-        _double_every_edge_multiplier(monkeypatch)
+        double_every_edge_multiplier(monkeypatch)
         with pytest.raises(graphscale.AuditError) as err:
             loss().backward()
     text = str(err.value)
@@ -60,8 +56,8 @@ def test_a_wrong_group_factor_on_the_fast_path_is_caught(monkeypatch: pytest.Mon
 def test_without_raising_every_mismatch_is_kept_logged_and_reported(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    groups, loss = _nested()
-    _double_every_edge_multiplier(monkeypatch)
+    groups, loss = nested()
+    double_every_edge_multiplier(monkeypatch)
     with graphscale.install(*groups), graphscale.audit(raise_on_error=False) as check:
         with caplog.at_level(logging.WARNING, logger="graphscale"):
             loss().backward()
@@ -79,13 +75,13 @@ def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatc
     with graphscale.install(graphscale.Group(owned, gas=2, name="owned"), unowned="plain"), graphscale.audit() as check:
         (owned(x) + free(x)).sum().backward()
         assert check.ok
-        _double_every_edge_multiplier(monkeypatch)
+        double_every_edge_multiplier(monkeypatch)
         with pytest.raises(graphscale.AuditError, match=r"group '\(unowned\)' parameter 'leaf \(1, 2\)'"):
             (owned(x) + free(x)).sum().backward()
 
 
 def test_the_audit_does_not_change_any_gradient() -> None:
-    groups, loss = _nested()
+    groups, loss = nested()
     params = [p for g in groups for p in g.parameters]
     with graphscale.install(*groups):
         loss().backward()
@@ -99,7 +95,7 @@ def test_the_audit_does_not_change_any_gradient() -> None:
 
 
 def test_audits_nest_and_restore_the_previous_one() -> None:
-    groups, loss = _nested()
+    groups, loss = nested()
     with graphscale.install(*groups):
         with graphscale.audit() as outer:
             with graphscale.audit() as inner:
@@ -111,14 +107,14 @@ def test_audits_nest_and_restore_the_previous_one() -> None:
 
 
 def test_an_audit_outside_any_installation_observes_nothing() -> None:
-    groups, loss = _nested()
+    groups, loss = nested()
     with graphscale.audit() as check:
         loss().backward()
     assert check.backwards == 0
 
 
 def test_where_the_graph_can_be_backpropagated_twice_the_replayable_wrapper_only_calls_the_function() -> None:
-    groups, loss = _nested()
+    groups, loss = nested()
 
     def step_loss() -> torch.Tensor:
         """The micro-step's loss."""
@@ -141,7 +137,7 @@ def test_bad_tolerances_are_rejected() -> None:
 def test_a_graph_autograd_grad_cannot_take_is_refused_clearly() -> None:
     from torch.utils.checkpoint import checkpoint
 
-    groups, _ = _nested()
+    groups, _ = nested()
     outer, inner = (g.parameters for g in groups)
     x = torch.randn(4, 3, requires_grad=True)
     with graphscale.install(*groups), graphscale.audit():
@@ -153,7 +149,7 @@ def test_a_graph_autograd_grad_cannot_take_is_refused_clearly() -> None:
 
 
 def test_a_non_scalar_root_without_seed_gets_torchs_own_error() -> None:
-    groups, _ = _nested()
+    groups, _ = nested()
     out = torch.nn.functional.linear(torch.randn(4, 3), *groups[1].parameters)
     with graphscale.install(*groups), graphscale.audit() as check:
         with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs") as err:

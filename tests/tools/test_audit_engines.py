@@ -7,18 +7,15 @@ backward once.  Over plain groups: test_audit.py."""
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, Callable
 
 import pytest
 import torch
 
 import graphscale
-from graphscale._backward import python_route as _python_route
-from graphscale._core import observation as _observe
 
+from helpers.audit import double_every_edge_multiplier
 from helpers.engines import require_deepspeed
-from helpers.audit import _double_every_edge_multiplier
 
 
 # ---------------------------------------------------------------- DeepSpeed
@@ -72,7 +69,7 @@ def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
         wants = [*(w / 2 for w in want_a), *(w / 4 for w in want_b)]
         for p, w in zip([*a_net.parameters(), *b_net.parameters()], wants):
             torch.testing.assert_close(p.grad, w)
-        _double_every_edge_multiplier(monkeypatch)
+        double_every_edge_multiplier(monkeypatch)
         named = r"group 'engine:Net#[0-9]+' parameter '(body|head)\.(weight|bias)'"
         with pytest.raises(graphscale.AuditError, match=named):
             a.backward(a(x).sum() + b(x).sum())
