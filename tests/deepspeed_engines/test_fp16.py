@@ -53,20 +53,14 @@ the ``fp16_here`` fixture: the family's conftest.py.
 """
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
 import graphscale
 
-from helpers.engines import ds_config, ds_device, require_deepspeed
-from helpers.grads import full_grads, max_rel_err
-from helpers.models import TanhMLP as Net
-from helpers.fp16 import CALLS, FP16_TOL, GAS, GRAPHS, Rig, SCALE_POWER, STAGES, fit_ratio
-
+from helpers.engines import require_deepspeed
+from helpers.fp16 import CALLS, FP16_TOL, GAS, GRAPHS, SCALE_POWER, STAGES, Rig, fit_ratio
+from helpers.grads import max_rel_err
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -7,8 +7,6 @@ graphscale/_adapters/deepspeed/__init__.py).
 """
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,30 +14,26 @@ import torch
 
 import graphscale
 
-from helpers.engines import ds_config, ds_device, require_deepspeed
-from helpers.grads import full_grads, max_rel_err
-from helpers.models import TanhMLP as Net
-from helpers.fp16 import CALLS, FP16_TOL, GAS, LR, Rig, SCALE_POWER, STAGES, STEP_TOL, _f, fit_ratio
-
+from helpers.engines import require_deepspeed
+from helpers.fp16 import CALLS, FP16_TOL, GAS, LR, SCALE_POWER, STAGES, STEP_TOL, Rig, as_float, fit_ratio
+from helpers.grads import max_rel_err
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 
 
 # ------------------------------------------------------------------ training through an overflow
 MICRO_STEPS = 8  # A steps after micro-steps 1, 3, 5, 7; B after 3 and 7
-
-
 OVERFLOW_AT = 1  # B's gradient is inf in micro-step 1: B skips its first step and halves its scale
 
 
 def _poisoned(roots: list[torch.Tensor], b_out: torch.Tensor, poison: float) -> torch.Tensor:
     """The loss plus ``poison`` x sum(B's output): inf reaches B's parameters only."""
-    return sum(roots[1:], roots[0]) + poison * _f(b_out).sum()
+    return sum(roots[1:], roots[0]) + poison * as_float(b_out).sum()
 
 
 def _step_graph(A: Any, B: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     a, b = A(x), B(y)
-    return [_f(a * b).sum(), _f(b).square().sum()], b
+    return [as_float(a * b).sum(), as_float(b).square().sum()], b
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -12,29 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-import graphscale
-
-from helpers.engines import ds_config, ds_device, require_deepspeed
-from helpers.grads import full_grads, max_rel_err
+from helpers.engines import ds_config, ds_device
+from helpers.grads import full_grads
 from helpers.models import TanhMLP as Net
 
-
 GAS = {"A": 2, "B": 4}
-
-
 SCALE_POWER = {"A": 8, "B": 4}  # dynamic loss scales start apart: 256 and 16
-
-
 FP16_TOL = 1e-2  # fp16 weights and activations against a float32 oracle (measured <= 1.0e-3 on the CPU)
-
-
 STEP_TOL = 1e-2  # weight changes after eight fp16 micro-steps vs a float32 reference (measured <= 1.4e-3;
 
 
 #                  a scale left stale after B's overflow: relative error 1)
 LR = 0.1
-
-
 STAGE0_SKIP = ("ZeRO stage 0: DeepSpeed 0.19.x's engine.backward does not apply its non-ZeRO fp16 optimizers' loss "
                "scale while their step() divides by it (DeepSpeed alone is wrong by 1/scale): nothing per-engine "
                "to check (module docstring)")
@@ -77,20 +66,20 @@ def fp16_config(name: str, stage: int) -> dict[str, Any]:
                      fp16={"initial_scale_power": SCALE_POWER[name], "hysteresis": 1, "loss_scale_window": 1000})
 
 
-def _f(t: torch.Tensor) -> torch.Tensor:
+def as_float(t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
 def _two_engines(A: Any, B: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     a, b = A(x), B(y)
-    return [_f(a * b).sum(), _f(b).square().sum()]
+    return [as_float(a * b).sum(), as_float(b).square().sum()]
 
 
 # Each graph calls each engine once: an engine's second forward in one
 # backward runs its ZeRO prologue twice, and DeepSpeed then skips its epilogue.
 GRAPHS: dict[str, Callable[[Any, Any, torch.Tensor, torch.Tensor], list[torch.Tensor]]] = {
     "two_engines": _two_engines,
-    "nested_B_of_A": lambda A, B, x, y: [_f(B(A(x))).square().sum()],
+    "nested_B_of_A": lambda A, B, x, y: [as_float(B(A(x))).square().sum()],
 }
 
 
