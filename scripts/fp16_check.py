@@ -49,9 +49,9 @@ def init_dist() -> None:
 
 def ratios(rig, graph: str, call: str, govern: bool) -> tuple[dict[str, float], str]:
     """Each engine's gradient / plain gradient (least squares), and what DeepSpeed raised."""
-    from helpers.fp16 import GAS, fit_ratio
-
     import graphscale
+
+    from helpers.fp16 import GAS, fit_ratio
 
     plain = rig.plain_grads(graph)
     raised = ""

@@ -1,5 +1,5 @@
 """What each backward reads and leaves, against the same plain-PyTorch
-oracle as test_shapes.py: gradients made with ``create_graph=True`` stay
+oracle as tests/core/test_shapes.py: gradients made with ``create_graph=True`` stay
 differentiable (second order exact), and a callable GAS is read at every
 backward.
 """

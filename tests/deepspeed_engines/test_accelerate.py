@@ -75,7 +75,7 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is not installed"),
 ]
 
-RTOL = 1e-6  # float32, powers of two: measured 0.0 (as in tests/test_training_parity.py)
+RTOL = 1e-6  # float32, powers of two: measured 0.0 (as in tests/deepspeed_engines/test_training_parity.py)
 GAS = {"actor": 2, "critic": 4}
 MICRO_STEPS = 8  # two windows of the critic, four of the actor
 LR = 0.1

@@ -220,7 +220,7 @@ def test_engines_under_compiled_autograd_train_as_the_plain_reference(
         if i == 3:
             ref_opts[0].step()
             ref_opts[0].zero_grad()
-    tol = 0.1 if bf16 else 1e-5  # bf16 weights against a float32 reference (as tests/test_training_parity.py)
+    tol = 0.1 if bf16 else 1e-5  # bf16 weights against a float32 reference (as test_training_parity.py)
     got = [p.detach().float().cpu() for p in engine.module.parameters()] + [p.detach() for p in critic.parameters()]
     want = [p.detach().float() for p in ref_actor.parameters()] + [p.detach() for p in ref_critic.parameters()]
     err = max_rel_err(got, want)

@@ -184,7 +184,7 @@ def test_a_low_precision_engine_after_a_discarded_backward_trains_bit_for_bit_li
     loss scale): the window with a discarded attempt gives the very weights
     of the same engine's window without it; at ZeRO 1 after an earlier
     micro-step the engine fails closed, as in fp32.  fp16 runs on DeepSpeed's
-    CPU accelerator with its capability flag forced, as in tests/test_fp16.py."""
+    CPU accelerator with its capability flag forced, as in tests/deepspeed_engines/test_fp16.py."""
     from deepspeed.accelerator import get_accelerator
 
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)

@@ -2,7 +2,7 @@
 through an overflow (each engine skips its own step, then trains on) matches
 a per-engine reference; explain shows each engine's loss scale over its GAS
 and touches no engine; audit passes fp16 engines with their loss scales and
-catches a missing one (one backward: test_fp16.py; NOTE [ fp16 engines ] in
+catches a missing one (one backward: tests/deepspeed_engines/test_fp16.py; NOTE [ fp16 engines ] in
 graphscale/_adapters/deepspeed/__init__.py).
 """
 from __future__ import annotations

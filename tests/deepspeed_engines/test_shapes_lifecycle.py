@@ -1,5 +1,5 @@
 """Real DeepSpeed engines over more than one backward, against the same
-plain-PyTorch oracle as test_shapes.py: a GAS changed after install() is read
+plain-PyTorch oracle as tests/deepspeed_engines/test_shapes.py: a GAS changed after install() is read
 at the next backward; outputs made before install() are exact after it;
 remove() gives DeepSpeed its own behaviour back exactly; a second backward
 over a retained graph is exact; a backward aborted by an exception leaves the

@@ -58,11 +58,11 @@ def test_one_rank_training_under_graphscale_matches_the_per_engine_gas_reference
 @pytest.fixture
 def cpu_fp16(ds_dist: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16 engines on DeepSpeed's CPU accelerator: its capability flag forced
-    (tests/test_fp16.py explains why that is a real fp16 engine)."""
+    (tests/deepspeed_engines/test_fp16.py explains why that is a real fp16 engine)."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() != "cpu":
-        pytest.skip("the forced flag is for DeepSpeed's CPU accelerator (tests/test_fp16.py has the cuda variants)")
+        pytest.skip("the forced flag is for DeepSpeed's CPU accelerator (test_fp16.py has the cuda variants)")
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
 
 

@@ -1,7 +1,7 @@
 """Training as users run it, on two gloo ranks: micro-steps with
 ``engine.step()`` after each, weights against the rank-averaged plain-PyTorch
 reference, under graphscale and with DeepSpeed alone (one rank and the why:
-test_training_parity.py; the harness: tests/helpers/training.py).  This file
+tests/deepspeed_engines/test_training_parity.py; the harness: tests/helpers/training.py).  This file
 is also the worker each rank runs (``python
 tests/deepspeed_engines/test_training_parity_two_ranks.py``, spawned by
 tests/helpers/ranks.py).

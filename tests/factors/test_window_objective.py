@@ -216,7 +216,7 @@ class WindowCase:
         # 1e-2: float32 rounding of the weights is ~1e-5 of the update, measured
         # up to 1.3e-6).  Every wrong factor here is off by at least 0.5.
         # bf16: two windows' gradients measured 3.0e-2 and 1.1e-2 off the
-        # float32 objective (test_hf_deepspeed.py allows 1e-1 through GPT-2).
+        # float32 objective (tests/deepspeed_engines/test_hf.py allows 1e-1 through GPT-2).
         return 1e-1 if self.dtype == "bf16" else 1e-4
 
 

@@ -148,7 +148,7 @@ def ds_view(pool: Pool, names: Any, ckpt: tuple[str, bool] | None = None) -> Vie
     m = {n: e[n].module for n in e}
     for mod in m.values():
         mod.ckpt = ckpt
-    # the engines' device (cuda under DS_ACCELERATOR=cuda: tests/test_cuda.py); the oracle stays on the CPU
+    # the engines' device (cuda under DS_ACCELERATOR=cuda: tests/stacks/test_cuda.py); the oracle stays on the CPU
     device = ds_device()
     x, y = _inputs(pool.dtype, device)
     upstream = pool.upstream.to(device=device, dtype=pool.dtype)

@@ -53,7 +53,7 @@ def _around(how: tuple[str, bool]) -> Callable[[View], list[torch.Tensor]]:
 
 
 # Each graph calls each engine once; losses that forward an engine twice, and
-# training with step() on one and two ranks, are tests/test_training_parity.py's.
+# training with step() on one and two ranks, are tests/deepspeed_engines/test_training_parity.py's.
 GRAPHS: dict[str, Callable[[View], list[torch.Tensor]]] = {
     "one_engine": lambda v: [total(v.A(v.x).square())],
     "engine_plus_own_module": lambda v: [total((v.A(v.x) + v.Am(v.y)).square())],

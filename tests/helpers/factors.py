@@ -9,12 +9,12 @@ each model's gradient times its group's factor.  Every case can fail: the
 no-op (plain gradients) and DeepSpeed alone are shown to be wrong where they
 are.  The tests, by what they pin:
 
-* tests/test_factors_exact.py: each group, and each engine, gets exactly its factor;
-* tests/test_factors_read_once.py: a factor callable is read once, at the start of every backward;
-* tests/test_factors_window_objective.py: a token-normalised language-model loss
+* tests/factors/test_exact.py: each group, and each engine, gets exactly its factor;
+* tests/factors/test_read_once.py: a factor callable is read once, at the start of every backward;
+* tests/factors/test_window_objective.py: a token-normalised language-model loss
   beside a mean-normalised value loss matches the window's objective;
-* tests/test_factors_refused.py: bad factors and conflicting groups are refused, no gradient touched;
-* tests/test_factors_explain_audit.py: ``explain`` shows custom factors, ``audit`` checks them.
+* tests/factors/test_refused.py: bad factors and conflicting groups are refused, no gradient touched;
+* tests/factors/test_explain_audit.py: ``explain`` shows custom factors, ``audit`` checks them.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from helpers.models import tanh_mlp
 
 F64_RTOL = 1e-12  # float64 models; factors such as 0.3 are not powers of two
 FP32_TOL = 1e-6
-BF16_TOL = 3e-2  # bf16 weights and activations against a float32 oracle (tests/test_deepspeed_shapes.py)
+BF16_TOL = 3e-2  # bf16 weights and activations against a float32 oracle (tests/deepspeed_engines/test_shapes.py)
 
 
 # ------------------------------------------------------------------ factor specifications as data

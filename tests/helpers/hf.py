@@ -1,5 +1,5 @@
 """Tiny Hugging Face models and the losses users train them with, for the
-DeepSpeed tests (tests/test_hf_deepspeed.py).
+DeepSpeed tests (tests/deepspeed_engines/test_hf.py).
 
 Everything is built from a transformers config with random weights (no
 download) and dropout off, so a plain-PyTorch copy of a model run on the same

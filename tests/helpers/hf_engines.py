@@ -38,7 +38,7 @@ from helpers.grads import max_rel_err
 FP32_TOL = 1e-6
 
 
-# bf16 engines against a float32 oracle.  test_deepspeed_shapes.py allows 3e-2
+# bf16 engines against a float32 oracle.  tests/deepspeed_engines/test_shapes.py allows 3e-2
 # on two Linears; through two GPT-2 blocks graphscale's bf16 gradients were
 # measured 1.2-3.1e-2 off the float32 oracle (DeepSpeed 0.19.5 and 0.19.8),
 # while every wrong factor here is off by at least 0.5.

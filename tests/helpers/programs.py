@@ -1,6 +1,6 @@
 """Random programs over 1-4 groups with different GAS: what the property
-tests (tests/test_property.py: governed against plain PyTorch) and the route
-parity tests (tests/test_native_route.py: native route against Python route)
+tests (tests/core/test_property.py: governed against plain PyTorch) and the route
+parity tests (tests/native/test_route.py: native route against Python route)
 run.
 
 A program is a list of abstract ops over a growing list of values (indices

@@ -22,7 +22,7 @@ from helpers.grads import full_grads, max_rel_err
 from helpers.models import TanhMLP as Net
 
 TOL = 1e-6
-CUDA_TOL = 1e-5  # engines on CUDA (tests/test_cuda.py) against the CPU oracle: other kernels; not yet measured
+CUDA_TOL = 1e-5  # engines on CUDA (tests/stacks/test_cuda.py) against the CPU oracle: other kernels; not yet measured
 GAS = {"A": 2, "B": 4}
 WAIT_S = 120
 
@@ -81,7 +81,7 @@ class Rig:
         torch.manual_seed(7)
         self.upstream = torch.nn.Linear(4, 4)
         self.upstream_ref = copy.deepcopy(self.upstream)
-        # the engines' device: cuda under DS_ACCELERATOR=cuda (tests/test_cuda.py); the oracle stays on the CPU
+        # the engines' device: cuda under DS_ACCELERATOR=cuda (tests/stacks/test_cuda.py); the oracle stays on the CPU
         self.device = next(iter(self.engines.values())).device
         self.upstream.to(self.device)
 

@@ -1,5 +1,5 @@
 """What the training-parity tests run (tests/deepspeed_engines/test_training_parity*.py,
-test_unmanaged_accumulation.py): engines A (GAS 2), B (GAS 4) and C (GAS 8)
+tests/deepspeed_engines/test_unmanaged_accumulation.py): engines A (GAS 2), B (GAS 4) and C (GAS 8)
 beside plain copies, the shapes and cases, one case trained for
 ``MICRO_STEPS`` micro-steps with ``step()`` after each, and what DeepSpeed
 alone is documented to do."""
@@ -26,13 +26,13 @@ LR = 0.1
 # bf16: forwards, gradients and (ZeRO 3) their reduction in bf16, against a
 # float32 reference: measured up to 0.069 on two ranks; a wrong factor or a
 # missing reduction here is an error above 0.5.
-# fp16 (CPU, DeepSpeed's capability flag forced as in tests/test_fp16.py): each
+# fp16 (CPU, DeepSpeed's capability flag forced as in tests/deepspeed_engines/test_fp16.py): each
 # engine's own dynamic loss scale (A 2**6, B 2**3) rides on its gradients and
 # its optimizer unscales; the reduced gradient is compared times that scale.
 # (At A 2**8 the forced-boundary backward overflowed fp16 in A's gradient, a
 # NaN the reduced-gradient check could not compare and, before it refused NaN,
 # let pass: the scales are kept apart, and low enough that no step overflows;
-# training through an overflow is tests/test_fp16.py's.)
+# training through an overflow is tests/deepspeed_engines/test_fp16.py's.)
 # fp16 measured: weight change <= 0.0037, reduced gradient <= 0.028 (engine_twice, all stages and
 # calls, fp16 weights 8 steps away from the float32 reference); a wrong factor is above 0.5.
 TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 5e-2}

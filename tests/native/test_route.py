@@ -133,7 +133,7 @@ _CLEAN = {"multiplier hooks alive": 0, "binding hooks alive": 0, "running plans"
 
 
 @pytest.mark.skipif(not _route.enabled, reason="breaks the native route's own hooks: with GRAPHSCALE_ROUTE=python "
-                    "no backward reaches them (the Python route's failures: tests/test_hardening_hooks.py)")
+                    "no backward reaches them (the Python route's failures: tests/hardening/test_hooks.py)")
 @pytest.mark.parametrize("where", ["the first native hook", "a node of the backward", "a nested backward's last hook"])
 def test_a_failure_inside_the_native_route_leaves_no_hook_plan_or_binding_behind(
         where: str, native: Any) -> None:

@@ -1,7 +1,7 @@
 """The package stays readable: modules, functions and native files stay
 small (``MAX_MODULE_LINES``, the same rule tests/project/test_tree.py holds
 the tests to), every NOTE cited exists in the file it names, and every file
-path the package cites exists.  Layers and imports: test_layering.py.
+path the package cites exists.  Layers and imports: tests/project/test_layering.py.
 """
 from __future__ import annotations
 

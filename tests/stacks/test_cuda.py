@@ -3,17 +3,17 @@ plain-PyTorch oracle on the CPU, and governance while autograd runs the
 backward's nodes on its CUDA device threads.
 
 Runs where torch sees a GPU and DeepSpeed's accelerator is CUDA
-(``DS_ACCELERATOR=cuda``; tests/conftest.py defaults it to cpu, and then
+(``DS_ACCELERATOR=cuda``; tests/helpers/engines.py defaults it to cpu, and then
 the process group is gloo); ``scripts/gpu_check.sh`` runs it so.  Everywhere
 else every test here skips with the reason.
 
-* The DeepSpeed shapes (tests/test_deepspeed_shapes.py, run on CUDA): a sum
+* The DeepSpeed shapes (tests/deepspeed_engines/test_shapes.py, run on CUDA): a sum
   of two engines, nested engines, an engine plus its own module, an
   upstream module, activation checkpointing (torch's and DeepSpeed's,
   reentrant and not, around and inside the engines), by ``engine.backward``,
   ``loss.backward()`` and ``torch.autograd.backward(roots)``; graphscale
   exact, DeepSpeed alone wrong exactly where documented.
-* The thread scenarios of tests/test_thread_governance.py, with nothing
+* The thread scenarios of tests/hardening/test_thread_governance.py, with nothing
   emulated: on CUDA the output hooks genuinely cannot see the caller's
   thread-local (each scenario checks that they did not), so only the graph
   task binding keeps a governed backward governed, including through a
@@ -73,7 +73,7 @@ def _shape_cases() -> list[Any]:
     }
     shapes = [s for s in SHAPES if s.id in wanted]
     missing = wanted - {s.id for s in shapes}
-    assert not missing, f"shapes renamed in test_deepspeed_shapes.py: {sorted(missing)}"
+    assert not missing, f"shapes renamed in tests/deepspeed_engines/test_shapes.py: {sorted(missing)}"
     # ZeRO 1 and 3 (stage 2 sits between them; scripts/gpu_check.sh runs the whole matrix with the time left)
     return shape_cases(shapes, lambda s: tuple(st for st in s.stages if st in (1, 3)))
 

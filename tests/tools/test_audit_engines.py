@@ -3,7 +3,7 @@ engines pass and a wrong factor or plan is caught; ZeRO 3 without a replay
 is refused before anything is touched, and a replay serves each root;
 audited steps update the weights as unaudited ones; a window entered midway
 is reported, not checked; a direct ``loss.backward()`` lets DeepSpeed run its
-backward once.  Over plain groups: test_audit.py."""
+backward once.  Over plain groups: tests/tools/test_audit.py."""
 from __future__ import annotations
 
 import copy

@@ -10,7 +10,7 @@ the group and parameter: B's pin doubled (graphscale scales B's leaves by
 twice their factor: every backward and every boundary of B fails), or B's
 accumulated gradient doubled after each backward of the window (every
 backward hands the right gradient, the reduction is wrong: only the boundary
-check can see it).  ZeRO 3, audited by replay: tests/test_audit_zero3.py.
+check can see it).  ZeRO 3, audited by replay: tests/tools/test_audit_zero3.py.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ GAS = {"A": 2, "B": 4}
 STEPS = 8
 LR = 0.05
 # weights after 8 steps vs the float32 oracle: fp32 round-off; bf16 and fp16 forwards (measured in
-# tests/test_training_parity.py: up to 0.069 and 0.028); a wrong factor or a missing reduction is above 0.5.
+# deepspeed_engines/test_training_parity.py: up to 0.069 and 0.028); a wrong factor or a missing reduction: > 0.5.
 TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 5e-2}
 CASES = [f"twice-{dtype}-{call}" for dtype in ("fp32", "bf16", "fp16") for call in ("loss", "engine")]
 CASES += ["module-fp32-loss", "module-fp32-engine", "noisy-fp32-loss", "noisy-fp32-engine"]
@@ -261,7 +261,7 @@ def _worker() -> None:
     rank, world = deepspeed_rank()
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() == "cpu":  # fp16 engines on the CPU: the flag forced (tests/test_fp16.py)
+    if get_accelerator().device_name() == "cpu":  # fp16 on the CPU: the flag forced (deepspeed_engines/test_fp16.py)
         type(get_accelerator()).is_fp16_supported = lambda self: True
     out = {}
     for case in CASES + WRONG + MISUSE:
@@ -277,7 +277,7 @@ def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     import deepspeed
 
     release = tuple(int(n) for n in deepspeed.__version__.split("+")[0].split(".")[:3])
-    if request.param > 1 and release < (0, 19, 8):  # (as tests/test_training_parity.py, ZERO3_HOOKS_FLAKY)
+    if request.param > 1 and release < (0, 19, 8):  # (test_training_parity_two_ranks.py too)
         pytest.skip("DeepSpeed before 0.19.8, ZeRO 3 on two gloo ranks, is not reproducible from run to run here "
                     "(DeepSpeed alone: wrong and NaN weights in some runs of an otherwise exact case); one rank runs")
     return rank_results(run_ranks([os.path.abspath(__file__)], world=request.param, env={"DS_ACCELERATOR": "cpu"}))

@@ -1,6 +1,6 @@
 """``python -m graphscale env``: the report a user pastes into a bug report,
 and its exit status (non-zero when a backward's need is missing or refused).
-tests/test_packaging.py runs it from a built wheel too."""
+tests/project/test_packaging.py runs it from a built wheel too."""
 from __future__ import annotations
 
 import os

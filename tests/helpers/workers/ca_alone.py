@@ -1,10 +1,10 @@
 """DeepSpeed alone under compiled autograd, in a fresh interpreter (no
 graphscale imported: nothing of it, not even what an earlier test installed
 and removed, can be in what dynamo traces or caches): run by
-tests/test_compiled_autograd.py as ``python _ca_alone.py CASES STEPS
-CONFIGS`` (CONFIGS: the DeepSpeed config per ZeRO stage, made by
-tests/conftest.py's ds_config, which imports graphscale and so cannot be
-imported here).  Prints one JSON line: per case, whether STEPS micro-steps
+tests/deepspeed_engines/test_compiled_autograd.py as ``python ca_alone.py
+CASES STEPS CONFIGS`` (CONFIGS: the DeepSpeed config per ZeRO stage, made by
+helpers.engines.ds_config, which imports deepspeed, and its caller
+graphscale, so it is not imported here).  Prints one JSON line: per case, whether STEPS micro-steps
 with step() ran, DeepSpeed's error, and compiled autograd's captures after
 each micro-step."""
 from __future__ import annotations

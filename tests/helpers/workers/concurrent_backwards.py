@@ -1,4 +1,4 @@
-"""Many threads, backwards at once: the program tests/test_concurrent_backwards.py
+"""Many threads, backwards at once: the program tests/hardening/test_concurrent_backwards.py
 runs in a child process (``python tests/helpers/workers/concurrent_backwards.py SCENARIO``),
 so that a crash (SIGSEGV) is a failed test, not a dead test run.
 

@@ -1,5 +1,5 @@
 """Issues 31 and 37: a backward that raises, then a retry, then training on: the
-worker that tests/test_failed_backward.py spawns once per world size
+worker that tests/deepspeed_engines/test_failed_backward.py spawns once per world size
 (``python tests/helpers/workers/failed_backward.py``, with RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set), and the plain-PyTorch oracle it checks against.
 

@@ -1,5 +1,5 @@
 """The DeepSpeed reference-model pattern of issue 13, one rank of two: the
-worker that tests/test_untouched.py spawns (``python tests/helpers/workers/untouched.py``,
+worker that tests/core/test_untouched.py spawns (``python tests/helpers/workers/untouched.py``,
 with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), and the oracle it
 checks against.
 
