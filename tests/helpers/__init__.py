@@ -12,9 +12,15 @@ and fixtures.
 - :mod:`helpers.ranks`: two (or more) gloo ranks, each a spawned worker.
 - :mod:`helpers.functions`, :mod:`helpers.programs`: custom autograd Functions
   and the random programs of the property and route tests.
-- :mod:`helpers.factors`, :mod:`helpers.hf`, :mod:`helpers.seams`: what one
-  family shares (factors beyond 1/GAS; tiny Hugging Face models; the native
-  module's test build).
+- :mod:`helpers.seams`: the native module's test build.
+- What one family's files share, named for it: :mod:`helpers.worlds` and
+  :mod:`helpers.untouched` (tests/core/); :mod:`helpers.engine_pool`,
+  :mod:`helpers.engine_shapes`, :mod:`helpers.training`, :mod:`helpers.fp16`,
+  :mod:`helpers.hf` and :mod:`helpers.hf_engines` (tests/deepspeed_engines/);
+  :mod:`helpers.thread_rig` and :mod:`helpers.thread_scenarios`
+  (tests/hardening/, tests/stacks/test_cuda.py); :mod:`helpers.factors`
+  (tests/factors/); :mod:`helpers.audit` (tests/tools/); :mod:`helpers.package`
+  (tests/project/).
 - ``helpers/workers/``: the scripts tests run in a child process.
 
 This file imports nothing: a worker that needs only :mod:`helpers.ranks`
