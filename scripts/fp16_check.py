@@ -5,7 +5,7 @@ graphscale's gradients are not ``loss_scale(own) / GAS(own)`` x the plain
 gradient for every engine (NOTE [ fp16 engines ] in graphscale/_adapters/deepspeed/__init__.py).
 
 Engines A (GAS 2, initial scale 2**8) and B (GAS 4, initial scale 2**4),
-built by tests/test_fp16.py's ``Rig``; the checks are that file's, as
+built by tests/helpers/fp16.py's ``Rig``; the checks are tests/deepspeed_engines/test_fp16.py's, as
 numbers.  Runs where DeepSpeed's accelerator does fp16 (a GPU with
 ``DS_ACCELERATOR=cuda``, as scripts/gpu_check.sh runs it); on a CPU pass
 ``--force-cpu-fp16`` to force DeepSpeed's CPU accelerator to report fp16
@@ -49,9 +49,9 @@ def init_dist() -> None:
 
 def ratios(rig, graph: str, call: str, govern: bool) -> tuple[dict[str, float], str]:
     """Each engine's gradient / plain gradient (least squares), and what DeepSpeed raised."""
-    from test_fp16 import GAS, fit_ratio
-
     import graphscale
+
+    from helpers.fp16 import GAS, fit_ratio
 
     plain = rig.plain_grads(graph)
     raised = ""
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               "(on a CPU, pass --force-cpu-fp16)", file=sys.stderr)
         return 2
     init_dist()
-    from test_fp16 import FP16_TOL, GAS, GRAPHS, Rig
+    from helpers.fp16 import FP16_TOL, GAS, GRAPHS, Rig
 
     t0 = time.perf_counter()
     import deepspeed

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # graphscale's one-shot GPU check (issue 12).  On a machine with one NVIDIA
 # GPU and nothing but Python: makes a virtual environment, installs what it
-# needs, runs the `cuda`-marked tests (tests/test_cuda.py, tests/test_fp16.py),
+# needs, runs the `cuda`-marked tests (tests/stacks/test_cuda.py,
+# tests/deepspeed_engines/test_fp16*.py),
 # the fp16 two-engine check with the loss scales forced apart
 # (scripts/fp16_check.py), `benchmarks/overhead.py --device cuda --quick`, and
 # with the time left the DeepSpeed shape tests on CUDA; writes a markdown
@@ -198,18 +199,19 @@ fi
 
 upto() { local t=$(($(left) - $2)); echo $((t < $1 ? t : $1)); }  # max seconds, seconds to keep for later steps
 
-# tests/test_cuda.py holds the DeepSpeed shapes on CUDA (exact and DeepSpeed alone), the device-thread
-# scenarios, and tests/test_fp16.py's cuda variants (fp16 without any patch).
-run_step "cuda-marked tests (tests/test_cuda.py, tests/test_fp16.py)" "$(upto 200 220)" \
-    "$OUT/pytest_cuda.log" env GRAPHSCALE_WALKER=python "${PYTEST[@]}" -m cuda tests/test_cuda.py tests/test_fp16.py
+# tests/stacks/test_cuda.py holds the DeepSpeed shapes on CUDA (exact and DeepSpeed alone), the device-thread
+# scenarios; tests/deepspeed_engines/test_fp16*.py the fp16 tests' cuda variants (fp16 without any patch).
+run_step "cuda-marked tests (tests/stacks/test_cuda.py, tests/deepspeed_engines/test_fp16*.py)" "$(upto 200 220)" \
+    "$OUT/pytest_cuda.log" env GRAPHSCALE_WALKER=python "${PYTEST[@]}" -m cuda tests/stacks/test_cuda.py \
+    tests/deepspeed_engines/test_fp16.py tests/deepspeed_engines/test_fp16_training.py
 run_step "fp16 two-engine run, loss scales 256 and 16 (scripts/fp16_check.py)" "$(upto 60 160)" \
     "$WORK/fp16.log" env GRAPHSCALE_WALKER=python "$VPY" scripts/fp16_check.py --out "$OUT/fp16.md"
 run_step "benchmarks/overhead.py --device cuda --quick" "$(upto 240 10)" \
     "$OUT/overhead_cuda.txt" "$VPY" benchmarks/overhead.py --device cuda --quick \
     --json "$OUT/overhead_cuda.json" --plot "$OUT/overhead_cuda.png"
-# With the time left: the whole shape matrix of tests/test_deepspeed_shapes.py on CUDA.
-run_step "DeepSpeed shape tests on CUDA, full matrix (tests/test_deepspeed_shapes.py, graphscale + DeepSpeed alone)" \
-    "$(upto 600 10)" "$OUT/shapes_cuda.log" env GRAPHSCALE_WALKER=python "${PYTEST[@]}" tests/test_deepspeed_shapes.py \
+# With the time left: the whole shape matrix of tests/deepspeed_engines/test_shapes.py on CUDA.
+run_step "DeepSpeed shape tests on CUDA, full matrix (tests/deepspeed_engines/test_shapes.py, graphscale + DeepSpeed alone)" \
+    "$(upto 600 10)" "$OUT/shapes_cuda.log" env GRAPHSCALE_WALKER=python "${PYTEST[@]}" tests/deepspeed_engines/test_shapes.py \
     -k "test_every_engine_gets_its_own_factor_under_graphscale or test_deepspeed_alone_is_wrong_exactly_where_documented"
 
 # ------------------------------------------------------------------ the summary

@@ -1,7 +1,7 @@
 """The cost gate's judgement: the figures a run gives, the baseline stored in
 the repository (``benchmarks/cost_baseline.json``), the margin, and the
 commit-message trailers that explain a growth.  No torch, no valgrind here:
-plain data in, findings out (tests/test_cost_gate.py).
+plain data in, findings out (tests/project/test_cost_gate.py).
 
 NOTE [ The cost margin ]
 A case fails when what graphscale adds per backward, in instructions or in

@@ -29,7 +29,7 @@ def native_owners(state: State, module: Any) -> Any:
     ``state``, built once per snapshot and kept in its tables (NOTE [
     Per-snapshot tables ] in _core/snapshot.py): install/remove makes a new
     snapshot and the table goes with it, so it keeps no group, parameter or
-    module alive (tests/test_hardening_longrun.py).  Positions follow
+    module alive (tests/hardening/test_longrun.py).  Positions follow
     ``state.groups``."""
     tables = state.tables
     made = tables.native_owners

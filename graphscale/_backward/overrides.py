@@ -22,7 +22,7 @@ __all__ = ["own", "overridable"]
 # graphscale inside the call graphscale was handing to torch: governed a
 # second time, or waiting for the hook lock its own outer call held.  The
 # process hung (a TorchFunctionMode around torch.autograd.backward(loss) with
-# two groups, tests/test_engine_call.py).  So such a call is handed to a twin
+# two groups, tests/native/test_engine_call.py).  So such a call is handed to a twin
 # of torch's function (own): the same code, whose global ``backward``
 # (``grad``) is torch's own function and whose other globals are
 # torch.autograd's, read live at each lookup.  The override sees, and calls,

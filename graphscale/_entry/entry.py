@@ -40,7 +40,7 @@ route (``_routes/python.py``), the reference.  Data crosses each line: the call
 # route runs from the reading on: python_route.govern_in_python -> decide
 # (probe or plan) -> hooks -> running (register, bind) ->
 # call.BackwardCall.run -> torch.
-# tests/test_backward_path.py traces these paths and pins them, each module
+# tests/native/test_backward_path.py traces these paths and pins them, each module
 # with the function named here.
 #
 # NOTE [ Fast path ]

@@ -2,7 +2,7 @@
 
 ``graphscale/_planner/plan.py`` (with ``_planner/walk.py`` and ``_planner/potentials.py``) is the reference;
 ``walker.cpp`` repeats them on the C++ autograd Nodes with the same orders and
-tie-breaks (tests/test_native_walker.py compares the two on random graphs).
+tie-breaks (tests/native/test_walker_build.py compares the two on random graphs).
 This module loads graphscale's cached build of it, or builds it in the background.
 """
 from __future__ import annotations

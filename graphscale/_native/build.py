@@ -80,7 +80,7 @@ class Variant(NamedTuple):
     """One build of ``walker.cpp``: its module name, compiler and linker
     flags.  :data:`RELEASE` is what graphscale loads; :data:`SEAMS` the test
     build (hook counters, an injected hook failure, a switch that stops
-    binding: ``GRAPHSCALE_TEST_SEAMS``; tests/_seams.py loads it beside the
+    binding: ``GRAPHSCALE_TEST_SEAMS``; tests/helpers/seams.py loads it beside the
     release build).  Both carry $GRAPHSCALE_SANITIZE's flags."""
 
     module_name: str

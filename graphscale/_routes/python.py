@@ -202,7 +202,7 @@ def _run_plan(b: _Backward, plan: Plan) -> None:
 
 
 def _debug_plan(b: _Backward, plan: Plan, multiplications: int) -> None:
-    _log.debug(  # the walker last: tests/test_native_walker.py reads it
+    _log.debug(  # the walker last: tests/native/test_walker_build.py reads it
         "graphscale: walked %d nodes in %.1f us, %d multiplication(s), factors %s%s, python route, %s walker",
         plan.num_nodes, b.walk_seconds * 1e6, multiplications,
         sorted({f"{g.name}={f:g}" for g, f in b.reading.factors.items()}),

@@ -1,0 +1,2 @@
+"""What users do beside graphscale: other hooks, torch.compile, threads and concurrent
+backwards, huge graphs, long runs, gc.freeze, and every misuse."""
