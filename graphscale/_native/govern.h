@@ -141,7 +141,7 @@ static bool plan_into(Apply& a, const Request& req, py::object gov_obj, Outcome*
   NativePlan P;
   try {
     P = plan_core(a.call.roots, a.call.nodes, req);
-  } catch (const std::overflow_error&) {
+  } catch (const planner::TooManyFactors&) {
     return false;
   }
   P.leaf_roots = std::move(a.call.leaf_roots);
@@ -178,7 +178,7 @@ static bool fast_or_plan(Apply& a, const Governor& g, double f, const std::vecto
   bool carry_nothing = true;
   for (double c : carries) carry_nothing = carry_nothing && c == 1.0;
   if (f == 1.0 && carry_nothing) return false;
-  const int code = probe_nodes(a.call.nodes, *g.owners, g.policy, registry->param_type);
+  const int code = probe_nodes(a.call.nodes, *g.owners, g.policy, PyParameterTest(registry->param_type));
   const int verdict = code & 3;
   const bool hidden = code & 4;
   if (verdict == 0 && !hidden) return false;

@@ -243,7 +243,7 @@ struct Enclosing {
   double phi = 1.0;                   // the potential everything nested carries
   const Binding* binding = nullptr;   // kBound (alive while `keep` is)
   py::object keep;                    // the binding (kBound)
-  std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first (the kPlan one too)
+  std::vector<const planner::Plan*> outer_plans;  // every running NativePlan, innermost first (the kPlan one too)
   std::vector<PlanPtr> alive;  // their owners: alive while a hint may run Python (and another thread)
 };
 

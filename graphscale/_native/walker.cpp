@@ -11,14 +11,26 @@
 // itself (NOTE [ One native call per backward ] in registry.h).
 //
 // One translation unit: this file includes one header per concept, each
-// naming its Python twin (docs/native-walker.md has the map).  The build
-// hashes all of them (graphscale/_native/build.py sources).
-#include "nodes.h"
-#include "plan.h"
-#include "walk.h"
-#include "pins.h"
-#include "potentials.h"
-#include "probe.h"
+// naming its Python twin (docs/native-walker.md has the map).  The planner
+// (planner/, no Python in it) comes in through python_planner.h, its Python
+// face; the Python-facing headers after it include nothing themselves, so
+// what they use beyond it is included here.  The build hashes all of them
+// (graphscale/_native/build.py sources).
+#include "python_planner.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+
 #include "registry.h"
 #include "bind.h"
 #include "hooks.h"
@@ -27,7 +39,7 @@
 #include "front.h"
 #include "for_python.h"
 
-// The planner's face (plan.h, probe.h): what the Python route and the tests
+// The planner's face (python_planner.h): what the Python route and the tests
 // call directly.
 static void def_planner(py::module_& m) {
   py::class_<Owners>(m, "Owners", py::module_local())
