@@ -3,7 +3,7 @@ potentials (``_core/plan.py``).
 
 :func:`build` is the reference computation: the pins are the owned leaves,
 the unowned leaves by policy, checkpoint hints, and the nodes an enclosing
-plan already governs.  The native walker (``_native/plan.h`` and the headers it names) repeats
+plan already governs.  The native walker (``_native/planner/planner.h`` and the headers it includes) repeats
 exactly this computation in C++ (tests/test_native_walker.py compares the two
 on random graphs); :class:`PyPlan` gives a Python plan the surface of the
 native ``NativePlan``, and :func:`probe_python` is the twin of the native probe.
