@@ -29,8 +29,8 @@ CONCEPTS = ("nodes.h", "walk.h", "pins.h", "potentials.h", "probe.h", "plan.h")
 PYTHON_API = ("py::", "PyObject", "pybind11", "Python.h", "torch/csrc/autograd/python_")
 NAMESPACE = "namespace graphscale::planner {"
 # As graphscale/_native/build.py builds walker.cpp (its release flags, and what torch's extension
-# builder adds), but -fsyntax-only and without Python's include directory.  c++17: the older of the
-# standards torch's builder has used (c++20 since torch 2.10); what compiles under it compiles under both.
+# builder adds), but -fsyntax-only and without Python's include directory.  c++17: the planner is
+# meant to stay valid C++17; the build itself compiles it under torch's standard (c++20 in torch 2.13).
 CXXFLAGS = ("-std=c++17", "-fsyntax-only", "-fPIC", "-O3", "-DNDEBUG", "-DTORCH_API_INCLUDE_EXTENSION_H")
 GXX = shutil.which("g++")
 
