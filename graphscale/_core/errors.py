@@ -1,4 +1,5 @@
-"""The exceptions graphscale raises, and its internal-assert helper.
+"""The exceptions graphscale raises, and its internal-assert helper (the
+native planner's twin: ``_native/planner/errors.h``).
 
 Every message starts with ``graphscale:``, names the object at fault and says
 how to fix it.  User input is never checked with a bare ``assert``;

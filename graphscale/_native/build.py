@@ -9,6 +9,7 @@ this file by its path in a child process, so the child builds exactly the
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -32,7 +33,7 @@ __all__ = [
 # Where: $GRAPHSCALE_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/graphscale; one
 # directory per key (cache_key): torch version, Python cache tag, machine,
 # torch's C++ ABI flag and a hash of the sources (walker.cpp and the headers
-# beside it: sources()) and the compiler flags.  An edited source, another
+# beside it and in planner/: sources()) and the compiler flags.  An edited source, another
 # torch or another interpreter gets its own build; nothing is ever rebuilt
 # over a build another key uses.  Per key:
 #
@@ -143,9 +144,10 @@ def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for path in sources(source):
+    here = os.path.dirname(os.path.abspath(source))
+    for path in sources(source):  # each named relative to walker.cpp's folder: a header that moves changes the key
         with open(path, "rb") as f:
-            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+            digest.update(os.path.relpath(path, here).replace(os.sep, "/").encode() + b"\0" + f.read())
     digest.update(repr((variant.cflags, variant.ldflags) if variant.ldflags else variant.cflags).encode())
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", False)))
     parts = (
@@ -160,9 +162,9 @@ def cache_key(source: str = SOURCE, variant: Variant = RELEASE) -> str:
 
 
 def sources(source: str = SOURCE) -> list[str]:
-    """``source`` and the ``*.h`` beside it: the one translation unit it includes."""
-    folder = os.path.dirname(os.path.abspath(source))
-    return [source] + sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".h"))
+    """``source`` and the ``*.h`` beside it and in ``planner/``: the one translation unit it includes."""
+    folder = glob.escape(os.path.dirname(os.path.abspath(source)))
+    return [source] + sorted(glob.glob(os.path.join(folder, "*.h")) + glob.glob(os.path.join(folder, "planner", "*.h")))
 
 
 def key_dir(source: str = SOURCE, variant: Variant = RELEASE) -> str:

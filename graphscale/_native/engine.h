@@ -31,7 +31,7 @@
 // through the original, which raises torch's own errors.  The roots handed
 // to torch may be edges to the binding node (NOTE [ Binding without
 // touching a shared node ]); the seeds are checked against the caller's
-// roots, whose metadata that node copies.  tests/test_engine_call.py pins
+// roots, whose metadata that node copies.  tests/native/test_engine_call.py pins
 // both sides.
 struct Straight {
   PyObject* original = nullptr;  // the registry's original when `globals` was read (borrowed: registry keeps it)

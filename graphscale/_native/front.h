@@ -2,8 +2,8 @@
 // native route governs.  A backward called from inside a node's backward
 // (a reentrant checkpoint's recompute) goes from here straight to
 // govern_nested, with no Python frame; every other call goes on to the
-// Python entry, unchanged.  Python twin: graphscale/_backward/entry.py
-// governed_backward (its nested branch) with graphscale/_backward/route.py
+// Python entry, unchanged.  Python twin: graphscale/_entry/entry.py
+// governed_backward (its nested branch) with graphscale/_routes/native.py
 // govern_nested_natively.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
@@ -30,13 +30,13 @@
 //     directly.  Where it declines (it touched nothing), the Python entry
 //     takes the call and counts the decline, as before.
 // Every decision is govern_nested's, so the front changes which frames run,
-// never which leaves get which factor (tests/test_native_route.py,
-// tests/test_backward_path.py).  entry.patched() knows both faces of the
+// never which leaves get which factor (tests/native/test_route.py,
+// tests/native/test_backward_path.py).  entry.patched() knows both faces of the
 // patch; remove() puts torch's own function back either way.
 
 struct Front {
-  py::object python;     // graphscale._backward.entry.governed_backward: every call the front hands on
-  py::object route;      // graphscale._backward.route: `enabled`
+  py::object python;     // graphscale._entry.entry.governed_backward: every call the front hands on
+  py::object route;      // graphscale._routes.native: `enabled`
   py::object running;    // graphscale._backward.running: `state.module`, the module the running state is in
   py::object here;       // route._here (a threading.local): `python`, python_only on this thread
   py::object active;     // graphscale._core.observation.ACTIVE: phases, walks, routes
@@ -45,7 +45,7 @@ struct Front {
 static Front* front_state = nullptr;  // leaked on purpose, like the registry
 
 // configure_front(python, route, running, here, active, log_cache): what the front
-// reads (graphscale/_backward/route.py native_front); the module's `front`
+// reads (graphscale/_routes/native.py native_front); the module's `front`
 // is the function itself (walker.cpp).
 static PyObject* this_module = nullptr;  // this extension module (borrowed: modules are not unloaded)
 
@@ -140,7 +140,7 @@ static bool front_arguments(PyObject* const* args, Py_ssize_t nargs, PyObject* k
 }
 
 // The roots and seeds of a plain nested call as govern_nested reads them
-// (graphscale/_backward/route.py govern_nested_natively); false: not plain.
+// (graphscale/_routes/native.py govern_nested_natively); false: not plain.
 static bool front_roots(PyObject* tensors, PyObject* grad_tensors, py::tuple* roots, py::list* grads) {
   // (exact tuples and lists first: THPVariable_Check is an isinstance, slow for the usual tuple)
   if (PyTuple_CheckExact(tensors)) {

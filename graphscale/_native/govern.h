@@ -1,7 +1,7 @@
 // govern.h: one governed backward in one call: decide, plan, seeds, hooks,
 // bind, run torch (top, govern_nested), and the Python
 // route's nested plan and binding through the same code.  Python twin:
-// graphscale/_backward/python_route.py (govern_in_python, govern_nested_in_python) with
+// graphscale/_routes/python.py (govern_in_python, govern_nested_in_python) with
 // graphscale/_backward/decide.py decide.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
@@ -141,7 +141,7 @@ static bool plan_into(Apply& a, const Request& req, py::object gov_obj, Outcome*
   NativePlan P;
   try {
     P = plan_core(a.call.roots, a.call.nodes, req);
-  } catch (const std::overflow_error&) {
+  } catch (const planner::TooManyFactors&) {
     return false;
   }
   P.leaf_roots = std::move(a.call.leaf_roots);
@@ -170,7 +170,7 @@ static std::vector<double> carries_of(const py::tuple& roots, double dflt) {
 }
 
 // The probe's verdict for a top-level backward whose groups all have factor
-// `f` (NOTE [ Fast path ] in graphscale/_backward/entry.py): the fast path
+// `f` (NOTE [ Fast path ] in graphscale/_entry/entry.py): the fast path
 // fills a.mults; *potential is what a bound task carries (NaN: none); true
 // when it must be planned after all.
 static bool fast_or_plan(Apply& a, const Governor& g, double f, const std::vector<double>& carries,
@@ -178,7 +178,7 @@ static bool fast_or_plan(Apply& a, const Governor& g, double f, const std::vecto
   bool carry_nothing = true;
   for (double c : carries) carry_nothing = carry_nothing && c == 1.0;
   if (f == 1.0 && carry_nothing) return false;
-  const int code = probe_nodes(a.call.nodes, *g.owners, g.policy, registry->param_type);
+  const int code = probe_nodes(a.call.nodes, *g.owners, g.policy, PyParameterTest(registry->param_type));
   const int verdict = code & 3;
   const bool hidden = code & 4;
   if (verdict == 0 && !hidden) return false;
@@ -210,7 +210,7 @@ static void count_multiplications(const Apply& a, const Governor& g, Outcome* oc
   if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(py::cast(a.plan_owner));
 }
 
-// top(governor, ...): a top-level governed backward (graphscale/_backward/entry.py
+// top(governor, ...): a top-level governed backward (graphscale/_entry/entry.py
 // and python_route.py govern_in_python from the decision on).  factors: by
 // group position; frame: (scaling, what the seeds carry by default, the
 // backward's on_failure list), graphscale/_backward/frames.py.
@@ -277,7 +277,7 @@ static Request nested_request(const Enclosing& e, py::object* gov_obj) {
 }
 
 // A backward called from inside `current`'s backward (NOTE [ Nested
-// backward ] in graphscale/_backward/entry.py; plan_nested then the Python
+// backward ] in graphscale/_entry/entry.py; plan_nested then the Python
 // route's plan step, natively).
 static py::object govern_nested(Node* current, const py::tuple& roots, const py::list& grads, const py::tuple& flags,
                                 bool want_stats) {

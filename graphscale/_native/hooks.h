@@ -1,13 +1,13 @@
 // hooks.h: what a governed backward puts on the graph and takes back: the
 // edge multiplier (ScaleHook), the lock that lets it hook shared nodes
 // (Hold), and the undo of everything (Undo).  Python twins:
-// graphscale/_backward/hooks.py post_hook, graphscale/_backward/sharing.py,
-// and the finally of graphscale/_backward/python_route.py _Backward.run.
+// graphscale/_routes/hooks.py post_hook, graphscale/_backward/sharing.py,
+// and the finally of graphscale/_routes/python.py _Backward.run.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
 // One edge multiplier row on one node: grad_inputs[k] (flowing along
-// next_edges[k]) times m.  What graphscale/_backward/hooks.py post_hook does.
+// next_edges[k]) times m.  What graphscale/_routes/hooks.py post_hook does.
 class ScaleHook : public torch::autograd::FunctionPostHook {
  public:
   ScaleHook(std::vector<std::pair<int64_t, double>> mults, std::shared_ptr<std::atomic<int64_t>> ns)

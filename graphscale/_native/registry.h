@@ -9,11 +9,11 @@
 // ===================================================================== the governed backward, natively
 //
 // NOTE [ One native call per backward ]
-// graphscale/_backward/entry.py reads the call and the factors (Python: GAS
-// may be a callable, an engine's attribute) and graphscale/_backward/route.py
+// graphscale/_entry/entry.py reads the call and the factors (Python: GAS
+// may be a callable, an engine's attribute) and graphscale/_routes/native.py
 // hands the rest to one call here: top(governor, ...) for a top-level backward,
 // govern_nested for one called from inside a node's backward (NOTE [ Nested
-// backward ] in graphscale/_backward/entry.py; once the native route
+// backward ] in graphscale/_entry/entry.py; once the native route
 // governs, torch.autograd.backward is this module's front, which calls
 // govern_nested itself: NOTE [ The native front ] in front.h).  That call decides (left
 // alone, the fast path, a plan: graphscale/_backward/decide.py decide),
@@ -29,9 +29,9 @@
 // Python route handles: a call it cannot read ("call"), a seed it cannot
 // make ("seed"), more than 64 factors ("factors").  Python declines before
 // the call what the native hooks cannot do (inputs=, compiled autograd: NOTE
-// [ Which route governs a backward ] in graphscale/_backward/route.py).  Same
+// [ Which route governs a backward ] in graphscale/_routes/native.py).  Same
 // decisions, same plans, same seeds as the Python route
-// (tests/test_native_route.py runs the suite's graphs through both).
+// (tests/native/test_route.py runs the suite's graphs through both).
 //
 // NOTE [ One running state, both routes ]
 // What is running is kept once, here, for both routes while this module is
@@ -59,7 +59,7 @@ struct Registry {
 };
 
 // A decline: the reason (a short str) the Python route takes the backward
-// for, having touched nothing (graphscale/_backward/route.py counts it: NOTE [ Which
+// for, having touched nothing (graphscale/_routes/native.py counts it: NOTE [ Which
 // route governs a backward ] there).
 static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
@@ -74,7 +74,7 @@ static void configure(py::object by_task, py::object original, py::object param_
 
 #ifdef GRAPHSCALE_TEST_SEAMS
 // The test build only (graphscale/_native/build.py, variant "seams";
-// tests/_seams.py loads it): hooks made and alive of each kind, ScaleHook
+// tests/helpers/seams.py loads it): hooks made and alive of each kind, ScaleHook
 // calls (hook_tally); the ScaleHook call that takes inject_failure_in to 0
 // throws (0: none does); may_bind False: no graph task is bound (tests that
 // break the binding on purpose).
@@ -114,7 +114,7 @@ struct Governor {
 // obeys ] in graphscale/_backward/running.py; NOTE [ One running state, both
 // routes ]): the Reading that governs the task; where no plan of it exists,
 // the potential everything in it carries (None: nested backwards are left
-// alone; NOTE [ Fast path ] in graphscale/_backward/entry.py), with the
+// alone; NOTE [ Fast path ] in graphscale/_entry/entry.py), with the
 // snapshot's Governor and the factors to plan them natively; `once` and
 // `on_failure` shared with the binding of the task it runs inside (NOTE [
 // Once per backward ] in running.py, NOTE [ A backward that raised ] in
@@ -243,7 +243,7 @@ struct Enclosing {
   double phi = 1.0;                   // the potential everything nested carries
   const Binding* binding = nullptr;   // kBound (alive while `keep` is)
   py::object keep;                    // the binding (kBound)
-  std::vector<const NativePlan*> outer_plans;  // every running NativePlan, innermost first (the kPlan one too)
+  std::vector<const planner::Plan*> outer_plans;  // every running NativePlan, innermost first (the kPlan one too)
   std::vector<PlanPtr> alive;  // their owners: alive while a hint may run Python (and another thread)
 };
 

@@ -1,24 +1,36 @@
 // graphscale native walk + plan + governed backward: the Python bindings.
 //
-// The same computation as graphscale/_backward/pyplan.py build (the walk of
-// graphscale/_core/walk.py, the pins) followed by graphscale/_core/plan.py (see NOTE [
+// The same computation as graphscale/_planner/plan.py build (the walk of
+// graphscale/_planner/walk.py, the pins) followed by graphscale/_planner/potentials.py (see NOTE [
 // Potentials ] there), done on the C++ autograd Nodes directly:
 // breadth-first discovery over next_edges, Kahn's topological order, pins on
 // AccumulateGrad leaves, bottom-up reachable pin values and votes, top-down
 // potentials.  Every order and tie-break mirrors the Python reference, so the
-// two give identical plans (tests/test_native_walker.py checks this).
+// two give identical plans (tests/native/test_walker_build.py checks this).
 // Iterative throughout: graphs have 1e5 nodes.  Then the governed backward
 // itself (NOTE [ One native call per backward ] in registry.h).
 //
 // One translation unit: this file includes one header per concept, each
-// naming its Python twin (docs/native-walker.md has the map).  The build
-// hashes all of them (graphscale/_native/build.py sources).
-#include "nodes.h"
-#include "plan.h"
-#include "walk.h"
-#include "pins.h"
-#include "potentials.h"
-#include "probe.h"
+// naming its Python twin (docs/native-walker.md has the map).  The planner
+// (planner/, no Python in it) comes in through python_planner.h, its Python
+// face; the Python-facing headers after it include nothing themselves, so
+// what they use beyond it is included here.  The build hashes all of them
+// (graphscale/_native/build.py sources).
+#include "python_planner.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+
 #include "registry.h"
 #include "bind.h"
 #include "hooks.h"
@@ -27,7 +39,7 @@
 #include "front.h"
 #include "for_python.h"
 
-// The planner's face (plan.h, probe.h): what the Python route and the tests
+// The planner's face (python_planner.h): what the Python route and the tests
 // call directly.
 static void def_planner(py::module_& m) {
   py::class_<Owners>(m, "Owners", py::module_local())
@@ -180,15 +192,15 @@ static PyMethodDef entries[] = {
     {"top", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(top_entry)), METH_FASTCALL,
      "One governed top-level backward (NOTE [ One native call per backward ] in registry.h)."},
     {"govern_nested", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(nested_entry)), METH_FASTCALL,
-     "One governed nested backward (NOTE [ Nested backward ] in graphscale/_backward/entry.py)."},
+     "One governed nested backward (NOTE [ Nested backward ] in graphscale/_entry/entry.py)."},
     {"front", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(front_entry)),
      METH_FASTCALL | METH_KEYWORDS,
      "torch.autograd.backward while the native route governs (NOTE [ The native front ] in front.h)."},
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "graphscale native walk + plan + governed backward (see graphscale/_core/plan.py NOTE [ Potentials ])";
-  // module_local: the test build (tests/_seams.py) may be loaded beside this one.
+  m.doc() = "graphscale native walk + plan + governed backward (see graphscale/_planner/potentials.py NOTE [ Potentials ])";
+  // module_local: the test build (tests/helpers/seams.py) may be loaded beside this one.
   def_planner(m);
   def_running(m);
   py::class_<Governor>(m, "Governor", py::module_local()).def(py::init<py::object, int, py::object, bool, py::object>());

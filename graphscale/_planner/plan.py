@@ -1,7 +1,9 @@
 """One plan of one backward, the Python reference: what is asked
-(:class:`PlanRequest`), the computation (:func:`build`: walk, pins,
-potentials) and what comes out (:class:`PyPlan`, the surface of the native
-``NativePlan``).  C++ twin: ``_native/planner/plan.h``; the two give
+(:class:`~graphscale._planner.request.PlanRequest`), the computation
+(:func:`build`: walk, pins, potentials) and what comes out (:class:`PyPlan`,
+the surface of the native ``NativePlan``).  C++ twins:
+``_native/planner/planner.h`` (the entry), ``phases.h`` (the phases, which
+are build's locals here) and ``plan.h`` (the plan); the two planners give
 identical plans (tests compare them on random graphs).
 """
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Input is a walked :class:`~graphscale._planner.walk.Graph` and the *pins*: the
 potential each constrained node must end at (an owned leaf: its group's
 factor).  Output is plain data, no hooks: a potential per node, a multiplier
-per root seed, and the edge multipliers of each node.
+per root seed, and the edge multipliers of each node.  C++ twin:
+``_native/planner/potentials.h``.
 """
 from __future__ import annotations
 

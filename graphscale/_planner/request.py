@@ -1,5 +1,5 @@
 """What one backward asks the planner: :class:`PlanRequest`.  C++ twin:
-``Request`` in ``_native/planner/plan.h``."""
+``_native/planner/request.h``."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -116,18 +116,19 @@ def test_bad_walker_value_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_an_edited_walker_source_gets_its_own_build(tmp_path: Path) -> None:
     """The cache key hashes every source (walker.cpp and the headers beside
-    it): an edit of any of them never loads a stale build; a copy of all of
-    them elsewhere is the same build."""
-    sources = [Path(p) for p in _build.sources()]
-    assert len(sources) > 1 and all(p.exists() for p in sources), sources
+    it and in planner/): an edit of any of them never loads a stale build; a
+    copy of all of them elsewhere is the same build."""
+    folder = Path(_build.SOURCE).parent
+    sources = [Path(p).relative_to(folder) for p in _build.sources()]
+    assert len(sources) > 1 and all((folder / p).exists() for p in sources), sources
     for name in ("same", "edited_main", "edited_header", "header_gone"):
-        (tmp_path / name).mkdir()
         for p in sources:
-            (tmp_path / name / p.name).write_bytes(p.read_bytes())
+            (tmp_path / name / p).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / p).write_bytes((folder / p).read_bytes())
     (tmp_path / "edited_main" / "walker.cpp").write_bytes(Path(_build.SOURCE).read_bytes() + b"\n// edited\n")
-    header = tmp_path / "edited_header" / sources[-1].name
+    header = tmp_path / "edited_header" / next(p for p in sources if p.parent.name == "planner")
     header.write_bytes(header.read_bytes() + b"\n// edited\n")
-    (tmp_path / "header_gone" / sources[-1].name).unlink()
+    (tmp_path / "header_gone" / sources[-1]).unlink()
     key = _build.cache_key()
     assert _build.cache_key(str(tmp_path / "same" / "walker.cpp")) == key
     for name in ("edited_main", "edited_header", "header_gone"):

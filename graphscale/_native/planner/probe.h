@@ -1,37 +1,17 @@
-// probe.h: the root nodes of a call, and the probe before the fast path
-// (does a backward reach an owned leaf, may it skip planning).  Python twin:
-// graphscale/_core/walk.py root_node and graphscale/_backward/decide.py probe.
-// Included once, in order, by walker.cpp (one translation unit).
+// probe.h: the probe before the fast path: does a backward reach an owned
+// leaf, may it skip planning.  Python twin: graphscale/_planner/probe.py
+// probe_python (graphscale/_backward/decide.py probe asks it).
 #pragma once
 
-// Root nodes as graphscale/_core/walk.py root_node reads them: an edge's node,
-// a tensor's grad_fn, a leaf's AccumulateGrad (kept alive in `leaf_roots`:
-// the tensor holds it only weakly), or none.  False when a root is neither a
-// tensor nor an edge.
-static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
-                          std::vector<NodePtr>* leaf_roots) {
-  nodes->assign(roots.size(), nullptr);
-  for (size_t r = 0; r < roots.size(); ++r) {
-    PyObject* obj = roots[r].ptr();
-    if (THPVariable_Check(obj)) {
-      const auto& var = THPVariable_Unpack(obj);
-      if (auto fn = var.grad_fn()) {
-        (*nodes)[r] = fn.get();
-      } else if (var.requires_grad()) {
-        auto acc = torch::autograd::impl::grad_accumulator(var);
-        (*nodes)[r] = acc.get();
-        leaf_roots->push_back(std::move(acc));
-      }
-    } else if (PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 1) {  // GradientEdge(node, output_nr)
-      (*nodes)[r] = node_of(PyTuple_GET_ITEM(obj, 0));
-    } else {
-      return false;
-    }
-  }
-  return true;
-}
+#include <cstddef>
+#include <cstdint>
+#include <vector>
 
-// Before the fast path (NOTE [ Fast path ] in graphscale/_backward/entry.py): does a
+#include "nodes.h"
+
+namespace graphscale::planner {
+
+// Before the fast path (NOTE [ Fast path ] in graphscale/_entry/entry.py): does a
 // backward of `roots` reach an owned leaf, and may it skip planning?  A
 // breadth-first walk that stops as soon as the answer is known: at the first
 // owned leaf under unowned="any"; under "plain_params" once an owned leaf and
@@ -41,8 +21,8 @@ static bool root_nodes_of(const py::tuple& roots, std::vector<Node*>* nodes,
 // node was seen (it may run a nested backward over leaves no walk can see:
 // reentrant checkpointing; the backward then binds its task so that such a
 // nested backward is planned, NOTE [ Fast path ]).
-static int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owners, int policy,
-                       py::handle param_type) {
+inline int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owners, int policy,
+                       const ParameterTest& parameters) {
   static thread_local NodeIndex index;
   static thread_local std::vector<Node*> found;
   static thread_local size_t last = 0;
@@ -64,7 +44,7 @@ static int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owner
       if (owners.group(node) >= 0) {
         owned = true;
         if (policy == kAny) result = 1;
-      } else if (policy == kPlain || (policy == kPlainParams && is_parameter(var, param_type))) {
+      } else if (policy == kPlain || (policy == kPlainParams && parameters.is_parameter(var))) {
         unowned = true;
       }
       if (owned && unowned) result = 2;
@@ -88,10 +68,4 @@ static int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owner
   return result | (hidden ? 4 : 0);
 }
 
-static int probe(const py::tuple& roots, py::object owners_obj, int policy, py::handle param_type) {
-  const Owners& owners = owners_obj.cast<const Owners&>();
-  std::vector<Node*> root_nodes;
-  std::vector<NodePtr> leaf_roots;
-  if (!root_nodes_of(roots, &root_nodes, &leaf_roots)) throw py::type_error("graphscale: probe got a root that is neither a tensor nor an edge");
-  return probe_nodes(root_nodes, owners, policy, param_type);
-}
+}  // namespace graphscale::planner

@@ -1,11 +1,19 @@
 // walk.h: the discovery (breadth-first over next_edges, edges in CSR form)
 // and the topological order (Kahn's algorithm, the same queue discipline).
-// Python twin: graphscale/_core/walk.py (discover, topological order).
-// Included once, in order, by walker.cpp (one translation unit).
+// Python twin: graphscale/_planner/walk.py walk (discovery, topological order).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
+#include "errors.h"
+#include "nodes.h"
+#include "phases.h"
+
+namespace graphscale::planner {
+
 // Breadth-first discovery over next_edges, edges in CSR form by discovery position.
-void Planner::discover(const std::vector<Node*>& root_nodes, size_t index_guess) {
+inline void Planner::discover(const std::vector<Node*>& root_nodes, size_t index_guess) {
   std::vector<Node*>& found = P.found;
   NodeIndex& index = P.index;
   index.reserve(index_guess);  // grows when the guess is short
@@ -66,7 +74,7 @@ void Planner::discover(const std::vector<Node*>& root_nodes, size_t index_guess)
 // distinct pin values as bits, in the Python planner's pin-dict order
 // (leaves, hinted Function nodes, inputs=, enclosed; each with its final
 // value), so tie-breaks by bit match.
-void Planner::order() {
+inline void Planner::order() {
   const int32_t n = n_;
   auto& indeg = S.indeg;
   auto& order = S.order;
@@ -84,9 +92,7 @@ void Planner::order() {
       if (j >= 0 && --indeg[j] == 0) order.push_back(j);
     }
   }
-  if (static_cast<int32_t>(order.size()) != n)
-    throw std::runtime_error("graphscale: internal invariant broken: the grad_fn graph has a cycle. "
-                             "This is a bug in graphscale.");
+  if (static_cast<int32_t>(order.size()) != n) throw BrokenInvariant("the grad_fn graph has a cycle");
   auto& pinned = S.pinned;
   auto& mark = S.mark;
   pinned.clear();
@@ -116,5 +122,7 @@ void Planner::order() {
     }
     pin_bit[o] = b;
   }
-  if (values_.size() > 64) throw std::overflow_error("graphscale: more than 64 distinct factors; native planner declines");
+  if (values_.size() > 64) throw TooManyFactors();
 }
+
+}  // namespace graphscale::planner

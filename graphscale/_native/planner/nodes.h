@@ -1,45 +1,30 @@
-// nodes.h: what every part reads of autograd's graph: a pointer map
-// (PtrMap, the walk's one per-node lookup), the C++ Node behind a Python
-// grad_fn, node kinds (AccumulateGrad, a custom Function's PyNode), whether a
-// leaf is an nn.Parameter, and the installed groups' owned leaves (Owners).
-// Python twin: the helpers of graphscale/_core/walk.py (root_node, node kinds)
-// and the owner table of graphscale/_core/snapshot.py.
-// Included once, in order, by walker.cpp (one translation unit).
+// nodes.h: what every part of the planner reads of autograd's graph: a
+// pointer map (PtrMap, the walk's one per-node lookup), node kinds
+// (AccumulateGrad, a custom Function's PyNode), the question whether a leaf
+// is an nn.Parameter (ParameterTest, answered by the caller), the unowned
+// leaves' policy and the installed groups' owned leaves (Owners).
+// Python twin: graphscale/_planner/nodes.py (ACCUMULATE_GRAD,
+// CUSTOM_FUNCTION, root_node); the owner table and UNOWNED_POLICIES are
+// graphscale/_core/snapshot.py's.
 #pragma once
 
-#include <Python.h>
-
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
-#include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/python_cpp_function.h>
-#include <torch/csrc/autograd/python_function.h>
-#include <torch/csrc/autograd/python_variable.h>
 
 #include <atomic>
-#include <chrono>
-#include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
-#include <new>
-#include <stdexcept>
 #include <typeinfo>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
-namespace py = pybind11;
+#include "errors.h"
+
+namespace graphscale::planner {
+
 using torch::autograd::AccumulateGrad;
 using torch::autograd::Node;
-
-namespace {
 
 // Pointer -> value, open addressing (the walk's only per-node lookup, and
 // the owned-leaf lookup).  Key and value share a 16-byte slot: a probe
@@ -120,29 +105,21 @@ using NodeIndex = PtrMap<Node, int64_t>;  // Node* -> discovery position
 // c10::intrusive_ptr since.  Node::getptr() returns it in both.
 using NodePtr = decltype(std::declval<Node&>().getptr());
 
-// The raw Node of a THPFunction's or THPCppFunction's cdata, whichever
-// pointer type this torch uses (a custom Function's is a weak_ptr in older
-// torch; the graph keeps the node alive meanwhile).
+// The raw Node of an owning or weak pointer, whichever pointer type this
+// torch uses (a custom Function's is a weak_ptr in older torch; the graph
+// keeps the node alive meanwhile).
 template <typename T>
 Node* raw(const std::weak_ptr<T>& p) { return p.lock().get(); }
 template <typename P>
 Node* raw(const P& p) { return p.get(); }
 
-// The C++ Node behind a Python grad_fn object (borrowed), or nullptr.
-Node* node_of(PyObject* obj) {
-  if (obj == Py_None) return nullptr;
-  if (torch::autograd::THPCppFunction_Check(obj))
-    return raw(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata);
-  if (THPFunction_Check(obj)) return raw(reinterpret_cast<THPFunction*>(obj)->cdata);
-  throw py::type_error("graphscale: native walker got a root that is not an autograd Node");
-}
+inline bool is_accumulate_grad(const Node* n) { return typeid(*n) == typeid(AccumulateGrad); }
 
-bool is_accumulate_grad(const Node* n) { return typeid(*n) == typeid(AccumulateGrad); }
 // Custom-Function nodes.  PyNode's type_info is not exported by torch, so
 // the dynamic type's name is compared, once per type: type_infos already
 // known not to be PyNode's sit in a small direct-mapped cache (a graph has a
 // few dozen node types; a miss only costs the comparison again).
-bool is_py_node(const Node* n) {
+inline bool is_py_node(const Node* n) {
   static std::atomic<const std::type_info*> pynode{nullptr};
   static thread_local const std::type_info* not_py[64] = {};
   const std::type_info* ti = &typeid(*n);
@@ -158,7 +135,7 @@ bool is_py_node(const Node* n) {
 }
 
 // The distinct non-null roots, first in discovery order.
-void seed_roots(const std::vector<Node*>& roots, NodeIndex* index, std::vector<Node*>* found) {
+inline void seed_roots(const std::vector<Node*>& roots, NodeIndex* index, std::vector<Node*>* found) {
   bool ins;
   for (Node* r : roots) {
     if (r == nullptr) continue;
@@ -167,44 +144,25 @@ void seed_roots(const std::vector<Node*>& roots, NodeIndex* index, std::vector<N
   }
 }
 
-py::object py_of(Node* n) {
-  auto ptr = n->getptr();
-  return py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(ptr));
-}
-
 // What unowned leaves of a top-level backward must end at
 // (graphscale/_core/snapshot.py UNOWNED_POLICIES, in that order).
 enum Policy : int { kAny = 0, kPlainParams = 1, kPlain = 2 };
 
-// Is `var` an nn.Parameter, as isinstance(var, nn.Parameter) says?  Only
-// unowned leaves are asked.  Parameter's metaclass answers isinstance in
-// Python (also True for a tensor flagged _is_param); the C type check first
-// spares that call for real Parameters, the flag is read for the others.
-bool is_parameter(const at::Tensor& var, py::handle param_type) {
-  PyObject* obj = THPVariable_Wrap(var);
-  if (obj == nullptr) throw py::error_already_set();
-  bool isparam = PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(param_type.ptr()));
-  if (!isparam) {
-    // The flag lives in the instance dict (Parameter's metaclass reads it so);
-    // read there, no AttributeError is raised and cleared for a plain tensor.
-    static PyObject* key = PyUnicode_InternFromString("_is_param");  // not a new string per call
-    PyObject** dictptr = _PyObject_GetDictPtr(obj);
-    PyObject* flag = (dictptr != nullptr && *dictptr != nullptr) ? PyDict_GetItemWithError(*dictptr, key) : nullptr;
-    if (flag != nullptr) isparam = PyObject_IsTrue(flag) == 1;
-    PyErr_Clear();
-  }
-  Py_DECREF(obj);
-  return isparam;
-}
-
-}  // namespace
+// Is a leaf an nn.Parameter, as isinstance(var, nn.Parameter) says?  Only
+// the caller knows (a Python type); asked of unowned leaves only, where the
+// policy or a nested backward needs the answer.
+class ParameterTest {
+ public:
+  virtual ~ParameterTest() = default;
+  virtual bool is_parameter(const at::Tensor& leaf) const = 0;
+};
 
 // Owned leaves of the installed groups: TensorImpl* -> group position.
 // Built once per installed state, reused by every backward.
 struct Owners {
   PtrMap<c10::TensorImpl, int64_t> group_of;  // -1: not owned
   Owners(const std::vector<uintptr_t>& impls, const std::vector<int>& groups) {
-    if (impls.size() != groups.size()) throw std::invalid_argument("graphscale: Owners sizes differ");
+    if (impls.size() != groups.size()) throw BadInput("Owners sizes differ");
     group_of.reserve(impls.size());
     bool ins;
     for (size_t i = 0; i < impls.size(); ++i)
@@ -216,19 +174,4 @@ struct Owners {
   }
 };
 
-// NOTE [ Checkpoint hints ] (graphscale/_backward/hints.py) on the native route: the
-// position a custom-Function node's run_function hints, kept per snapshot
-// (in its Governor) for run_functions that are nn.Modules, which it holds
-// (so an address is never reused while cached); other run_functions ask the
-// Python hint every time.  A stale entry costs multiplications, never
-// correctness, as in Python.  Used and dropped with the GIL held.
-struct HintCache {
-  std::unordered_map<PyObject*, int64_t> by_fn;
-  HintCache() = default;
-  HintCache(const HintCache&) = delete;
-  HintCache& operator=(const HintCache&) = delete;
-  ~HintCache() {
-    for (auto& kv : by_fn) Py_DECREF(kv.first);
-  }
-};
-static PyObject* module_type = nullptr;  // torch.nn.Module (native.configure)
+}  // namespace graphscale::planner

@@ -1,12 +1,21 @@
 // potentials.h: the potentials (bottom-up reachable pin values and votes,
 // top-down the first parent decides) and the edge multipliers and seeds.
-// Python twin: graphscale/_core/plan.py make_plan (NOTE [ Potentials ]).
-// Included once, in order, by walker.cpp (one translation unit).
+// Python twin: graphscale/_planner/potentials.py make_plan, _bottom_up, _top_down
+// (NOTE [ Potentials ]).
 #pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "nodes.h"
+#include "phases.h"
+
+namespace graphscale::planner {
 
 // Bottom-up: the pin values reachable from each node (bitmask), and the
 // value it would take on its own (votes of its children where mixed).
-void Planner::bottom_up() {
+inline void Planner::bottom_up() {
   const int32_t n = n_;
   const int nvals = static_cast<int>(values_.size());
   auto& reach = S.reach;
@@ -45,7 +54,7 @@ void Planner::bottom_up() {
   }
 }
 
-double Planner::potential_of(int32_t v, double parent) const {
+inline double Planner::potential_of(int32_t v, double parent) const {
   int b = S.choice[v];
   if (b < 0) return parent;
   int32_t off = S.vote_at[v];
@@ -57,7 +66,7 @@ double Planner::potential_of(int32_t v, double parent) const {
 }
 
 // Top-down: the first parent (in topological order) decides.
-void Planner::top_down() {
+inline void Planner::top_down() {
   std::vector<double>& phi = P.phi_disc;
   phi.assign(n_, 0.0);
   auto& set = S.set;
@@ -79,7 +88,7 @@ void Planner::top_down() {
 }
 
 // Edge multipliers, in topological order of their nodes, then the seeds.
-void Planner::multipliers(const std::vector<Node*>& root_nodes) {
+inline void Planner::multipliers(const std::vector<Node*>& root_nodes) {
   const std::vector<double>& phi = P.phi_disc;
   for (int32_t u : S.order) {
     const double pu = phi[u];
@@ -102,3 +111,5 @@ void Planner::multipliers(const std::vector<Node*>& root_nodes) {
     if (P.seeds[r] != 1.0) ++P.multiplications;
   }
 }
+
+}  // namespace graphscale::planner
