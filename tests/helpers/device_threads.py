@@ -273,9 +273,9 @@ def use_route(route: str, monkeypatch: Any) -> None:
     the native route off (as tests/conftest.py's ``python_route`` fixture);
     "native" skips the test where the native route is off here
     (``GRAPHSCALE_ROUTE=python``, or no native walker)."""
-    from helpers.routes import native_route_or_skip
-
     from graphscale._routes import native as _route
+
+    from helpers.routes import native_route_or_skip
 
     if route == "python":
         monkeypatch.setattr(_route, "enabled", False)
