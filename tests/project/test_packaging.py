@@ -24,7 +24,7 @@ import pytest
 from helpers.paths import REPO
 
 NATIVE_FILES = ("graphscale/_native/__init__.py", "graphscale/_native/build.py", "graphscale/_native/walker.cpp",
-                *sorted(f"graphscale/_native/{p.name}" for p in (REPO / "graphscale" / "_native").glob("*.h")))
+                *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "graphscale" / "_native").rglob("*.h")))
 TYPED = "graphscale/py.typed"  # PEP 561: a user's type checker reads graphscale's annotations
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="the test holds the build's lock with fcntl")

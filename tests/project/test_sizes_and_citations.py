@@ -49,7 +49,7 @@ def test_modules_and_functions_stay_small(name: str) -> None:
     assert not wide, f"graphscale/{name}: functions with more than 5 parameters: {wide}"
 
 
-NATIVE = sorted(p for p in (PKG / "_native").iterdir() if p.suffix in (".cpp", ".h"))
+NATIVE = sorted(p for p in (PKG / "_native").rglob("*") if p.suffix in (".cpp", ".h"))  # planner/ too
 _CPP_NOISE = re.compile(r'//.*|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'')
 _CPP_SCOPE = re.compile(r"^\s*(?:namespace\b|(?:template\s*<[^>]*>\s*)?(?:struct|class|union|enum)\b)")
 _CPP_CONTROL = re.compile(r"^\s*(?:if|for|while|switch|catch|else|do)\b")
@@ -88,7 +88,7 @@ def _cpp_functions(path: Path) -> list[tuple[str, int]]:
     return out
 
 
-@pytest.mark.parametrize("path", NATIVE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", NATIVE, ids=lambda p: p.relative_to(PKG / "_native").as_posix())
 def test_native_files_and_functions_stay_small(path: Path) -> None:
     """The size rules of the Python modules, for the native walker's C++."""
     size = len(path.read_text().splitlines())
