@@ -60,21 +60,23 @@ def native_route_or_skip() -> Any:
     """The native module, where the native route governs backwards here;
     else the test is skipped (GRAPHSCALE_ROUTE=python, or no native walker)."""
     from graphscale import _native
-    from graphscale._backward import route as _route
+    from graphscale._backward import gate as _gate
 
     native = _native.wait()
-    if native is None or not _route.enabled:
+    if native is None or not _gate.route_enabled():
         pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
     return native
 
 
 @pytest.fixture
-def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every backward of the test takes the Python route (``graphscale/_backward/route.py``):
-    for tests that spy on or break that route's own functions."""
-    from graphscale._backward import route as _route
+def python_route() -> Iterator[None]:
+    """Every backward of the test takes the Python route (``graphscale/_backward/gate.py``
+    route_override, which the native front obeys at once): for tests that spy on or break that
+    route's own functions."""
+    from graphscale._backward import gate as _gate
 
-    monkeypatch.setattr(_route, "enabled", False)
+    with _gate.route_override(False):
+        yield
 
 
 @pytest.fixture(autouse=True)

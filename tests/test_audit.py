@@ -23,12 +23,10 @@ def _nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
     return groups, lambda: outer(torch.tanh(inner(x))).sum()
 
 
-def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
+def _double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """A planner bug: every edge multiplication applied twice over (in the
     Python route's hooks, so the route is switched to it)."""
-    from graphscale._backward import route as _route
-
-    monkeypatch.setattr(_route, "enabled", False)
+    request.getfixturevalue("python_route")
     real = _python_route.post_hook
     monkeypatch.setattr(_python_route, "post_hook",
                         lambda mults, *rest: real(tuple((k, 2 * m) for k, m in mults), *rest))
@@ -45,11 +43,12 @@ def test_a_right_scaling_passes_and_is_reported_per_group() -> None:
     assert [line.split()[:3] for line in report.splitlines()[2:]] == [["outer", "0.5", "2"], ["inner", "0.25", "2"]]
 
 
-def test_a_wrong_edge_multiplier_is_caught_naming_group_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_edge_multiplier_is_caught_naming_group_and_parameter(monkeypatch: pytest.MonkeyPatch,
+                                                                      request: pytest.FixtureRequest) -> None:
     groups, loss = _nested()
     with graphscale.install(*groups), graphscale.audit() as check:
         loss().backward()  # right
-        _double_every_edge_multiplier(monkeypatch)
+        _double_every_edge_multiplier(monkeypatch, request)
         with pytest.raises(graphscale.AuditError) as err:
             loss().backward()
     text = str(err.value)
@@ -74,10 +73,10 @@ def test_a_wrong_group_factor_on_the_fast_path_is_caught(monkeypatch: pytest.Mon
 
 
 def test_without_raising_every_mismatch_is_kept_logged_and_reported(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
 ) -> None:
     groups, loss = _nested()
-    _double_every_edge_multiplier(monkeypatch)
+    _double_every_edge_multiplier(monkeypatch, request)
     with graphscale.install(*groups), graphscale.audit(raise_on_error=False) as check:
         with caplog.at_level(logging.WARNING, logger="graphscale"):
             loss().backward()
@@ -88,14 +87,15 @@ def test_without_raising_every_mismatch_is_kept_logged_and_reported(
     assert groups[1].parameters[0].grad is not None
 
 
-def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatch: pytest.MonkeyPatch,
+                                                                       request: pytest.FixtureRequest) -> None:
     torch.manual_seed(0)
     owned, free = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     x = torch.randn(3, 2)
     with graphscale.install(graphscale.Group(owned, gas=2, name="owned"), unowned="plain"), graphscale.audit() as check:
         (owned(x) + free(x)).sum().backward()
         assert check.ok
-        _double_every_edge_multiplier(monkeypatch)
+        _double_every_edge_multiplier(monkeypatch, request)
         with pytest.raises(graphscale.AuditError, match=r"group '\(unowned\)' parameter 'leaf \(1, 2\)'"):
             (owned(x) + free(x)).sum().backward()
 
@@ -189,7 +189,7 @@ def test_audit_passes_a_zero_0_engine_plus_its_module_and_catches_a_wrong_factor
 @pytest.mark.deepspeed
 @require_deepspeed
 def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
-    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     torch.manual_seed(0)
     a_net, b_net = Net(), Net()
@@ -205,7 +205,7 @@ def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
         wants = [*(w / 2 for w in want_a), *(w / 4 for w in want_b)]
         for p, w in zip([*a_net.parameters(), *b_net.parameters()], wants):
             torch.testing.assert_close(p.grad, w)
-        _double_every_edge_multiplier(monkeypatch)
+        _double_every_edge_multiplier(monkeypatch, request)
         named = r"group 'engine:Net#[0-9]+' parameter '(body|head)\.(weight|bias)'"
         with pytest.raises(graphscale.AuditError, match=named):
             a.backward(a(x).sum() + b(x).sum())

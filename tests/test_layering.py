@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_native.build",),
     ("_native",),
     # _backward/: the governed backward
-    ("_backward.overrides",),
+    ("_backward.overrides", "_backward.gate"),
     ("_backward", "_backward.dynamo", "_backward.frames", "_backward.hooks", "_backward.sharing",
      "_backward.backend"),
     ("_backward.pyplan", "_backward.hints", "_backward.native_backend"),

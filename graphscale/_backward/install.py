@@ -21,6 +21,7 @@ from .._core import snapshot as _snapshot
 from .._core.group import Group
 from . import dynamo as _dynamo
 from . import entry as _entry
+from . import gate as _gate
 from . import native_backend as _native_backend
 from . import route as _route
 from . import selftest as _selftest
@@ -120,8 +121,8 @@ def _refresh() -> None:
     _snapshot.set_current(state)
     _entry.patch(True)
     _selftest.require_python_route()  # NOTE [ Newer releases ]: once per process; raises where it fails
-    if native is not None and _route.enabled:
-        _route.self_test(native)  # NOTE [ The native route's self-test ]: once per process, before any backward
+    if native is not None and _gate.route_enabled():
+        _gate.self_test(native)  # NOTE [ The native route's self-test ]: once per process, before any backward
 
 
 def install(*groups: Any, unowned: str = "plain_params") -> Installation:

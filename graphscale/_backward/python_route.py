@@ -1,6 +1,6 @@
 """The Python route: the governed backward in Python, the reference the
 native route must match, and the route of every backward the native one
-declines (NOTE [ Which route governs a backward ] in ``route.py``).
+declines (NOTE [ Which route governs a backward ] in ``gate.py``).
 
 From the reading on it decides (``decide.py``: left alone, the fast path,
 or a plan), scales the seeds, puts each edge multiplier on its node as a

@@ -26,11 +26,12 @@ from .._core import registry as _registry
 from .._core.request import PlanRequest
 from .._core.snapshot import Reading, State
 from . import frames as _frames
+from . import gate as _gate
 from . import native_backend as _native_backend
 from . import pyplan as _pyplan
 from . import sharing as _sharing
 from .backend import NESTED_IN_PYTHON, Backend, Plan
-from .frames import compiled_autograd_active
+from .gate import compiled_autograd_active
 from .sharing import ORIGINAL_BACKWARD
 
 __all__ = [
@@ -109,10 +110,6 @@ class Binding:
             enclosing.on_failure if enclosing is not None else _frames.innermost() if on_failure is None
             else on_failure)
         self.reference: bool = reference or (enclosing is not None and enclosing.reference)
-
-    @property
-    def state(self) -> State:
-        return self.reading.state
 
 
 
@@ -245,6 +242,7 @@ def use_native(module: Any) -> bool:
         global state
         backend.configure(bindings, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
         state = backend
+        _gate.running_in(module)  # NOTE [ The native front ]: the front of this module may open
     return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
 
 

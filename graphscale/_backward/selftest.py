@@ -1,7 +1,7 @@
 """NOTE [ The native route's self-test ]: a tiny fixed
 program through both routes and plain PyTorch.  Above the governed backward
 (it runs both of its routes); registered at import through
-``route.register_self_test``.  The Python route's half runs on its own at
+``gate.register_self_test``.  The Python route's half runs on its own at
 the first install() of a process (``require_python_route``, NOTE [ Newer
 releases ] in _core/releases.py)."""
 # NOTE [ The native route's self-test ]
@@ -35,10 +35,10 @@ from .._core.group import Group
 from .._core.releases import NEWEST_TESTED
 from .._core.snapshot import State
 from . import call as _call
-from . import route as _route
+from . import gate as _gate
 from .call import BackwardCall
 from .entry import govern
-from .frames import compiled_autograd_active
+from .gate import compiled_autograd_active
 
 __all__ = ["failure", "require_python_route"]
 
@@ -103,7 +103,7 @@ def failure(native: Any) -> str | None:
                     if route == "native":
                         govern(call, state, native)
                     else:
-                        with _route.python_only():
+                        with _gate.python_only():
                             govern(call, state, None)
                 except Exception as exc:  # noqa: BLE001 - the warning names it
                     return f"{case}, {route} route: {type(exc).__name__}: {exc}"
@@ -140,4 +140,4 @@ def require_python_route() -> None:
             "release, and report it with `python -m graphscale env`. Nothing was installed.")
 
 
-_route.register_self_test(failure)
+_gate.register_self_test(failure, lambda: torch.autograd.backward is not _call.ORIGINAL_BACKWARD)
