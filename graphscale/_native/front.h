@@ -42,7 +42,8 @@
 // knows both faces of the patch; remove() puts torch's own function back
 // either way.
 
-static py::object* front_python = nullptr;  // entry.governed_backward: every call the front hands on (leaked, like the registry)
+// entry.governed_backward: every call the front hands on (leaked on purpose, like the registry)
+static py::object* front_python = nullptr;
 static std::atomic<bool> front_open{false};  // NOTE [ The native front ]: set by the gate only
 
 // configure_front(python): the function the front hands on to (graphscale/_backward/gate.py
