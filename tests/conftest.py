@@ -7,6 +7,7 @@ installation and no patched ``linear`` left behind by any test, the
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pytest
@@ -46,12 +47,14 @@ def _native_walker_ready() -> None:
 
 
 @pytest.fixture
-def python_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every backward of the test takes the Python route (``graphscale/_routes/native.py``):
-    for tests that spy on or break that route's own functions."""
-    from graphscale._routes import native as _route
+def python_route() -> Iterator[None]:
+    """Every backward of the test takes the Python route (``graphscale/_backward/gate.py``
+    route_override, which the native front obeys at once): for tests that spy on or break that
+    route's own functions."""
+    from graphscale._backward import gate as _gate
 
-    monkeypatch.setattr(_route, "enabled", False)
+    with _gate.route_override(False):
+        yield
 
 
 @pytest.fixture(autouse=True)

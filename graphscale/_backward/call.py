@@ -1,6 +1,6 @@
 """A ``torch.autograd.backward`` call read once (:class:`BackwardCall`): its
 roots, its seeds, its ``inputs=``; and the original backward run for it,
-bound to what governs it.
+bound to what governs it.  C++ twin: ``_native/engine.h`` (the run).
 
 torch takes any iterable; a generator can be read once, so everything is
 read here, and torch is handed the same items graphscale planned for.

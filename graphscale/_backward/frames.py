@@ -29,13 +29,12 @@ engines' part if it raises.  Imports nothing of graphscale.
 """
 from __future__ import annotations
 
-import sys
 import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 __all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_calls", "adapter_backward_frame",
-           "adapter_backward_caller", "scaling_enabled", "compiled_autograd_active"]
+           "adapter_backward_caller", "scaling_enabled"]
 
 # A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
 # has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
@@ -105,41 +104,30 @@ def scaling_enabled() -> bool:
     return stack[-1][0] if stack else True
 
 
-def compiled_autograd_active() -> bool:
-    """Whether torch's compiled autograd captures a backward started now (its
-    own ``_enable``, ``torch._dynamo.config.compiled_autograd`` under
-    ``torch.compile``, or DeepSpeed's ``compile(compiled_autograd_enabled=True)``
-    inside ``engine.backward``): NOTE [ Which route governs a backward ] in
-    _routes/native.py.  One dict read while dynamo was never imported."""
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
-
-
 class Frame:
     """One top-level governed backward as its caller frames it: ``scaling``
     (False inside an :func:`adapter_backward` that turned the factors off),
     what its seeds carry already by default (``carries``), both read from the
-    innermost :func:`adapter_backward`; whether compiled autograd captures it
-    (``compiled``), the list NOTE [ A backward that raised ] runs
-    (``on_failure``), and its lap clock (``laps``, or None).
+    innermost :func:`adapter_backward`; the list NOTE [ A backward that
+    raised ] runs (``on_failure``), and its lap clock (``laps``, or None).
+    (Whether compiled autograd captures it is the gate's question:
+    ``gate.py``.)
 
     Made on the thread that runs the backward, once per backward, and
     ``on_failure`` is on that thread's stack (:func:`innermost`) from then
     until :meth:`close`, which the governed backward calls once it ends (or,
     where it ended without an error, pops ``stack`` itself); with the error
     if it raised, and then everything appended to ``on_failure`` runs, in
-    order, before the error goes on.  (Not a context manager: a
-    ``with`` costs two more Python calls on every backward, and the one
-    caller, entry.govern, has its ``try`` anyway.)"""
+    order, before the error goes on.  (Not a context manager: a ``with``
+    costs two more Python calls on every backward, and the one caller,
+    entry.govern, has its ``try`` anyway.)"""
 
-    __slots__ = ("scaling", "carries", "compiled", "on_failure", "laps", "stack")
+    __slots__ = ("scaling", "carries", "on_failure", "laps", "stack")
 
     def __init__(self, laps: Any = None) -> None:
         stack = _local.adapter_calls
         self.scaling, self.carries = stack[-1][:2] if stack else (True, 1.0)
         self.laps = laps
-        ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
-        self.compiled = ca is not None and bool(ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
         self.on_failure: list[Callable[[], None]] = []
         self.stack = _local.failing  # this thread's: the backward ends by popping it (close)
         self.stack.append(self.on_failure)

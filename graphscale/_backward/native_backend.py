@@ -1,6 +1,7 @@
 """The native backend (NOTE [ One interface, two backends ] in
 ``_backward/backend.py``): the extension built from ``graphscale/_native/``
-seen through :class:`~graphscale._backward.backend.Backend`.
+seen through :class:`~graphscale._backward.backend.Backend`.  C++ twins:
+``_native/walker.cpp`` (the bindings) and ``_native/python_planner.h``.
 
 Its running-state methods are the extension's own functions, taken as they
 are (no Python frame between a caller and C++); its walker methods read the
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from .._core.snapshot import State
 from .._planner.nodes import root_node
@@ -21,7 +23,7 @@ from .._planner.request import PlanRequest
 from .backend import Plan
 from .overrides import own
 
-__all__ = ["NativeBackend", "of", "native_owners"]
+__all__ = ["NativeBackend", "of", "native_owners", "joined"]
 
 
 def native_owners(state: State, module: Any) -> Any:
@@ -45,18 +47,27 @@ def native_owners(state: State, module: Any) -> Any:
     return table
 
 
+def joined(binding: Any) -> tuple[Any, Any, bool]:
+    """(once, on_failure, reference) of ``binding``, a binding the native
+    module did not make (running.py's Python one): what a native binding made
+    inside its graph task shares with it (NOTE [ Once per backward ] in
+    running.py).  Handed to the native module at configure: it reads no
+    attribute of graphscale's Python by name."""
+    return binding.once, binding.on_failure, bool(binding.reference)
+
+
 class NativeBackend:
-    """The native extension ``module`` as a backend."""
+    """The native extension ``module`` as a backend: its functions taken as
+    they are where the interface matches them, and a method where a value
+    must be handed over (the C++ reads no attribute of ours by name)."""
 
     name = "native"
     binds_root_nodes = False  # NOTE [ Binding without touching a shared node ] in _native/bind.h
 
     def __init__(self, module: Any) -> None:
         self.module = module
-        self.binding = module.binding
         self.reference_binding = module.reference_binding
         self.bound = module.bound
-        self.running_plan = module.running_plan
         self.running = module.running
         self.enclosing_phi = module.enclosing_phi
         self.nested_plan = module.nested_plan
@@ -71,7 +82,18 @@ class NativeBackend:
         twin for calls an override sees (NOTE [ An override sees torch's own
         backward ] in _backward/overrides.py)."""
         self.module.configure(by_task, original_backward, torch.nn.Parameter, torch.nn.Module, carries_attr,
-                              innermost, own(original_backward, "backward"))
+                              innermost, own(original_backward, "backward"), joined, GradientEdge)
+
+    def binding(self, reading: Any, potential: float | None, on_failure: Any, governor: Any) -> Any:
+        """A native Binding of a backward governed by ``reading`` (its factors handed over)."""
+        return self.module.binding(reading, potential, on_failure, governor, reading.factor_list)
+
+    def running_plan(self, plan: Plan, reading: Any) -> Any:
+        """Register ``plan`` for nested backwards while its backward runs; a
+        Python plan (the Python route's, past 64 factors) with its ``phi_of``,
+        which the native lookup calls per node."""
+        phi_of = None if isinstance(plan, self.module.NativePlan) else plan.phi_of
+        return self.module.running_plan(plan, reading, phi_of)
 
     def probe(self, roots: Sequence[Any], state: State) -> int:
         return int(self.module.probe(tuple(roots), native_owners(state, self.module), state.policy_index,

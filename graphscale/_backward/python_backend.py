@@ -52,10 +52,6 @@ class Binding:
             else on_failure)
         self.reference: bool = reference or (enclosing is not None and enclosing.reference)
 
-    @property
-    def state(self) -> State:
-        return self.reading.state
-
 
 
 class _PyBound:

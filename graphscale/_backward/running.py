@@ -23,10 +23,11 @@ import torch
 
 from .._core.snapshot import Reading, State
 from . import frames as _frames
+from . import gate as _gate
 from . import native_backend as _native_backend
 from . import sharing as _sharing
 from .backend import Backend, Plan
-from .frames import compiled_autograd_active
+from .gate import compiled_autograd_active
 from .python_backend import PYTHON, Binding, PythonBackend, bindings
 from .sharing import ORIGINAL_BACKWARD
 
@@ -96,6 +97,7 @@ def use_native(module: Any) -> bool:
         global state
         backend.configure(bindings, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
         state = backend
+        _gate.running_in(module)  # NOTE [ The native front ]: the front of this module may open
     return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
 
 

@@ -309,7 +309,10 @@ def read_pins(groups: Iterable[Group], scaling: bool = True) -> list[float]:
     ``pin() -> factor() -> read_spec()`` (the same value, the same checks and
     errors); through them for a ``factor=`` group, inside :func:`spec_reads`,
     and where a group's type has its own ``pin``, ``factor`` or ``read_spec``
-    (or a test put one there)."""
+    (or a test put one there).  A copy kept for speed (style convention 17):
+    through the three calls, ``benchmarks/cost.py --calls-only`` counted 3
+    more Python calls per group and backward (issue 49: mixed-loss 42 -> 48,
+    one-engine 20 -> 23, past the gate's margin of 3 % + 2)."""
     if getattr(_frame, "reads", None) is not None:
         return [g.pin(scaling) for g in groups]
     pins = []

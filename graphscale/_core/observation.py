@@ -20,7 +20,8 @@ Three kinds, each a stack of context managers that nest and restore (like
 Every recorder active when an event happens sees it.  Which are active is
 :data:`ACTIVE`: one tuple per kind, replaced whole under a lock, so the
 governed backward reads it with attribute reads only (no call into this
-module unless something is recording).  Imports nothing of graphscale.
+module unless something is recording); :func:`watch` tells a subscriber
+when it changes.  Imports nothing of graphscale.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 __all__ = ["ACTIVE", "recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
            "record_walk", "record_route", "routes_recorded", "walks_recorded", "declines", "unrecorded", "quiet",
-           "Laps"]
+           "Laps", "watch"]
 
 PhaseRecorder = Callable[[str, float], None]
 WalkRecorder = Callable[[int, float, int], None]
@@ -54,6 +55,7 @@ class _Active:
 
 
 ACTIVE = _Active()
+_watchers: list[Callable[[], None]] = []  # watch(): told after every change of ACTIVE
 _declined: dict[str, int] = {}  # reason -> backwards the Python route took for it, in this process
 _quiet = threading.local()  # .on: this thread's backwards are graphscale's own (the route self-test)
 
@@ -78,11 +80,24 @@ class _Pushed:
         self.entry = entry = (lambda *args: fn(*args))
         with _lock:
             setattr(ACTIVE, self.kind, (*getattr(ACTIVE, self.kind), entry))
+        for told in _watchers:
+            told()
 
     def __exit__(self, *exc: object) -> None:
         entry, self.entry = self.entry, None
         with _lock:
             setattr(ACTIVE, self.kind, tuple(e for e in getattr(ACTIVE, self.kind) if e is not entry))
+        for told in _watchers:
+            told()
+
+
+def watch(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after every change of :data:`ACTIVE` (a recorder or
+    observer entered or left), on the thread that changed it, with no lock
+    of this module held: what decides on the recorders (the native route's
+    gate) reads ACTIVE again there."""
+    with _lock:
+        _watchers.append(fn)
 
 
 def recording_phases(record: PhaseRecorder) -> _Pushed:
@@ -106,7 +121,7 @@ def recording_walks(record: WalkRecorder) -> _Pushed:
 def recording_routes(record: RouteRecorder) -> _Pushed:
     """Within the block, ``record(route, reason)`` sees every governed
     backward: ``("native", None)``, or ``("python", reason)`` (NOTE [ Which
-    route governs a backward ] in _routes/native.py)."""
+    route governs a backward ] in _backward/gate.py)."""
     return _Pushed("routes", record)
 
 

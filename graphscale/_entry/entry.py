@@ -20,9 +20,13 @@ route (``_routes/python.py``), the reference.  Data crosses each line: the call
 #   _core/snapshot.State.read       the factors, one per group, through
 #   _core/group.read_pins           each group's Group.pin: its gas or factor
 #                                   (and loss scale)
-#   route.govern_natively           one native call, top (the governor)
-#                                   (_native/govern.h): decide, walk, plan,
-#                                   seeds, hooks, bind, register, then
+#   route.govern_natively           asks the gate, then makes one native
+#   gate.reason                     call; the gate: may the native route
+#                                   take it (NOTE [ Which route governs a
+#                                   backward ] in gate.py)?  Then top (the
+#                                   governor) (_native/govern.h): decide,
+#                                   walk, plan, seeds, hooks, bind, register,
+#                                   then
 #   torch's engine                  straight, where the call is plain (NOTE
 #                                   [ Straight to the engine ] in
 #                                   _native/engine.h), else through
@@ -33,10 +37,11 @@ route (``_routes/python.py``), the reference.  Data crosses each line: the call
 # graphscale's (NOTE [ The native front ] in _native/front.h).  A top-level
 # call goes from the front to governed_backward (the path above), and so
 # does a nested call the front hands on (an observer is active, the route is
-# off, inputs=): entry.governed_backward -> route.govern_nested_natively
-# (which asks frames.compiled_autograd_active) -> govern_nested -> torch.
+# off, inputs=): entry.governed_backward -> call.BackwardCall.of ->
+# route.govern_nested_natively (which asks gate.reason) -> govern_nested ->
+# torch.
 # Where the native route declines (counted: NOTE [ Which route governs a
-# backward ] in _routes/native.py), route.govern_natively hands back and the Python
+# backward ] in _backward/gate.py), route.govern_natively hands back and the Python
 # route runs from the reading on: python_route.govern_in_python -> decide
 # (probe or plan) -> hooks -> running (register, bind) ->
 # call.BackwardCall.run -> torch.
@@ -91,6 +96,7 @@ from typing import Any, Callable
 import torch
 
 from .._backward import frames as _frames
+from .._backward import gate as _gate
 from .._backward import sharing as _sharing
 from .._backward.call import ORIGINAL_BACKWARD, BackwardCall
 from .._core import observation as _observation
@@ -156,7 +162,7 @@ def _adopt_front() -> None:
         if _front_tried:
             return
         _front_tried = True
-        _front = _route.native_front(governed_backward)
+        _front = _gate.adopt_front(governed_backward)
         if _front is not None and torch.autograd.backward is governed_backward:
             torch.autograd.backward = _front
 
@@ -197,15 +203,11 @@ def governed_backward(
     factor (torch's own six parameters: the one function here that takes more
     than five).  NOTE [ Follow one backward ]."""
     current_node = torch._C._current_autograd_node()
-    if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
-        if inputs is None and grad_variables is None:
-            if _route.govern_nested_natively(tensors, grad_tensors, retain_graph, create_graph, current_node):
-                return None
-        else:
-            _route.declined("inputs=")  # the Python route pins inputs= leaves
-        call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        return _python_route.govern_nested_in_python(call, current_node)
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+    if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
+        if _route.govern_nested_natively(call, current_node):
+            return None
+        return _python_route.govern_nested_in_python(call, current_node)
     observers = _observation.ACTIVE.observers
     if observers:
         return observers[-1](_govern_if_installed, call)  # (graphscale.audit: it runs it once)
@@ -263,4 +265,5 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
 
 
 # NOTE [ The native route's self-test ] runs whole governed backwards through govern.
-_route.register_self_test(lambda native: _selftest.failure(native, govern))
+_gate.register_self_test(lambda native: _selftest.failure(native, govern),
+                         lambda: torch.autograd.backward is not ORIGINAL_BACKWARD)

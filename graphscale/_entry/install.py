@@ -16,6 +16,7 @@ import torch
 
 from .. import _native
 from .._backward import dynamo as _dynamo
+from .._backward import gate as _gate
 from .._backward import native_backend as _native_backend
 from .._core import registry as _registry
 from .._core import releases as _releases
@@ -120,8 +121,8 @@ def _refresh() -> None:
     _snapshot.set_current(state)
     _entry.patch(True)
     _selftest.require_python_route(_entry.govern)  # NOTE [ Newer releases ]: once per process; raises where it fails
-    if native is not None and _route.enabled:
-        _route.self_test(native)  # NOTE [ The native route's self-test ]: once per process, before any backward
+    if native is not None and _gate.route_enabled():
+        _gate.self_test(native)  # NOTE [ The native route's self-test ]: once per process, before any backward
 
 
 def install(*groups: Any, unowned: str = "plain_params") -> Installation:

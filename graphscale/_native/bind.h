@@ -1,6 +1,6 @@
 // bind.h: binding a backward's graph task to its snapshot with a node of its
 // own in front of the roots (BindNode).  Python twin: _PyBound in
-// graphscale/_backward/running.py.
+// graphscale/_backward/python_backend.py.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
@@ -36,7 +36,7 @@ class BindNode : public Node {
   }
   ~BindNode() override { GS_SEAM(--bind_live;) }
   std::string name() const override { return "GraphscaleBindBackward"; }
-  // Records graph task id -> Binding in graphscale._backward.running._by_task
+  // Records graph task id -> Binding in graphscale._backward.running.bindings
   // (running.py's Python hook does the same) and passes the seeds on.
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const int tid = torch::autograd::get_current_graph_task_id();

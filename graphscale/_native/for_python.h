@@ -1,8 +1,8 @@
 // for_python.h: what the Python route and the tools ask of the native
 // module beside the governed backward: a nested plan through the one lookup,
-// a graph task's binding, a plan's registration.  Python twin: the native
-// branches of graphscale/_backward/running.py (bound, running_plan) and
-// graphscale/_backward/decide.py plan_nested.
+// a graph task's binding, a plan's registration.  Python twin:
+// graphscale/_backward/python_backend.py PythonBackend (nested_plan, bound,
+// running_plan) and graphscale/_backward/decide.py plan_nested.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 

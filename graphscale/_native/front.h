@@ -4,7 +4,8 @@
 // govern_nested, with no Python frame; every other call goes on to the
 // Python entry, unchanged.  Python twin: graphscale/_entry/entry.py
 // governed_backward (its nested branch) with graphscale/_routes/native.py
-// govern_nested_natively.
+// govern_nested_natively; its gate is graphscale/_backward/gate.py reason,
+// pushed here as one flag.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
@@ -21,103 +22,39 @@
 //     not read (grad_variables=, inputs=, an edge root, an iterable torch
 //     reads once, unknown keywords): the Python entry
 //     (entry.governed_backward) takes it, with the same arguments;
-//   - nested, and nothing asks for the Python route's view (route.enabled
-//     false, the running state moved to another native module (a test
-//     build), python_only on this thread, an active phase, walk or route
-//     recorder, the "graphscale" logger possibly at DEBUG, compiled
-//     autograd on: the gate below, which reads them every call, so tests
-//     and tools that switch them are obeyed at once): govern_nested
-//     directly.  Where it declines (it touched nothing), the Python entry
-//     takes the call and counts the decline, as before.
+//   - nested, and the gate open: govern_nested directly.  The gate is one
+//     flag, `front_open`, that this code only reads: graphscale's gate
+//     (graphscale/_backward/gate.py reason, with front=True) decides it and
+//     pushes it here (set_front_open) each time one of its inputs changes:
+//     the route switched (GRAPHSCALE_ROUTE, gate.set_route_enabled),
+//     python_only entered or left on any thread, a phase, walk or route
+//     recorder entered or left, the running state moved to or from this
+//     module, a self-test verdict; and, as the latest top-level backward saw
+//     them, compiled autograd and the "graphscale" logger at DEBUG (read at
+//     each top-level backward, which reads them anyway; so a nested call
+//     follows the logger level its top-level backward saw).  Each is obeyed
+//     from the next nested call on.  Closed, the Python entry takes the call
+//     and asks the gate itself (and counts a decline, as before).  Where
+//     govern_nested declines (it touched nothing), the same.
 // Every decision is govern_nested's, so the front changes which frames run,
 // never which leaves get which factor (tests/native/test_route.py,
-// tests/native/test_backward_path.py).  entry.patched() knows both faces of the
-// patch; remove() puts torch's own function back either way.
+// tests/native/test_backward_path.py, tests/native/test_front.py).  entry.patched()
+// knows both faces of the patch; remove() puts torch's own function back
+// either way.
 
-struct Front {
-  py::object python;     // graphscale._entry.entry.governed_backward: every call the front hands on
-  py::object route;      // graphscale._routes.native: `enabled`
-  py::object running;    // graphscale._backward.running: `state.module`, the module the running state is in
-  py::object here;       // route._here (a threading.local): `python`, python_only on this thread
-  py::object active;     // graphscale._core.observation.ACTIVE: phases, walks, routes
-  py::object log_cache;  // the "graphscale" logger's level cache: a cached False for DEBUG is the only "off"
-};
-static Front* front_state = nullptr;  // leaked on purpose, like the registry
+// entry.governed_backward: every call the front hands on (leaked on purpose, like the registry)
+static py::object* front_python = nullptr;
+static std::atomic<bool> front_open{false};  // NOTE [ The native front ]: set by the gate only
 
-// configure_front(python, route, running, here, active, log_cache): what the front
-// reads (graphscale/_routes/native.py native_front); the module's `front`
-// is the function itself (walker.cpp).
-static PyObject* this_module = nullptr;  // this extension module (borrowed: modules are not unloaded)
-
-static void configure_front(py::object python, py::object route, py::object running, py::object here,
-                            py::object active, py::object log_cache) {
-  if (front_state == nullptr) front_state = new Front();
-  *front_state = Front{std::move(python), std::move(route), std::move(running), std::move(here), std::move(active),
-                       std::move(log_cache)};
+// configure_front(python): the function the front hands on to (graphscale/_backward/gate.py
+// adopt_front); the module's `front` is the function itself (walker.cpp).
+static void configure_front(py::object python) {
+  if (front_python == nullptr) front_python = new py::object();
+  *front_python = std::move(python);
 }
 
-static PyObject* interned(const char* s) { return PyUnicode_InternFromString(s); }  // (kept for good)
-
-// Whether attribute `name` of `obj` is `want` (false, the error cleared, where it cannot be read).
-static bool attr_is(PyObject* obj, PyObject* name, PyObject* want) {
-  PyObject* v = PyObject_GetAttr(obj, name);
-  if (v == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  const bool same = v == want;
-  Py_DECREF(v);
-  return same;
-}
-
-static bool attr_empty_tuple(PyObject* obj, PyObject* name) {
-  PyObject* v = PyObject_GetAttr(obj, name);
-  if (v == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  const bool empty = PyTuple_Check(v) && PyTuple_GET_SIZE(v) == 0;
-  Py_DECREF(v);
-  return empty;
-}
-
-// NOTE [ The native front ]: may govern_nested take a nested call now, with
-// nothing to report to Python?
-static bool front_gate_open(const Front& F) {
-  static PyObject* const enabled = interned("enabled");
-  static PyObject* const python = interned("python");
-  static PyObject* const phases = interned("phases");
-  static PyObject* const walks = interned("walks");
-  static PyObject* const routes = interned("routes");
-  static PyObject* const ca_on = interned("compiled_autograd_enabled");
-  static PyObject* const ca_region = interned("in_compiled_autograd_region");
-  static PyObject* const ca_module = interned("torch._dynamo.compiled_autograd");
-  static PyObject* const state = interned("state");
-  static PyObject* const module = interned("module");
-  static PyObject* const debug = PyLong_FromLong(10);  // logging.DEBUG
-  if (!attr_is(F.route.ptr(), enabled, Py_True) || !attr_is(F.here.ptr(), python, Py_False)) return false;
-  PyObject* backend = PyObject_GetAttr(F.running.ptr(), state);  // the running state still in this module?
-  const bool here = backend != nullptr && attr_is(backend, module, this_module);
-  Py_XDECREF(backend);
-  if (!here) {
-    PyErr_Clear();
-    return false;
-  }
-  PyObject* const active = F.active.ptr();
-  if (!attr_empty_tuple(active, phases) || !attr_empty_tuple(active, walks) || !attr_empty_tuple(active, routes))
-    return false;
-  if (!PyDict_Check(F.log_cache.ptr()) || PyDict_GetItemWithError(F.log_cache.ptr(), debug) != Py_False) {
-    PyErr_Clear();
-    return false;  // unknown yet: the Python entry asks the logger (and fills its cache)
-  }
-  PyObject* ca = PyDict_GetItemWithError(PyImport_GetModuleDict(), ca_module);  // borrowed
-  if (ca == nullptr) {
-    if (!PyErr_Occurred()) return true;  // never imported: off
-    PyErr_Clear();
-    return false;
-  }
-  return attr_is(ca, ca_on, Py_False) && attr_is(ca, ca_region, Py_False);
-}
+// set_front_open(open): the gate's answer (graphscale/_backward/gate.py _recompute).
+static void set_front_open(bool open) { front_open.store(open, std::memory_order_release); }
 
 // torch.autograd.backward's six parameters, by position or keyword; false
 // where the front does not read the call (the Python entry does).
@@ -175,7 +112,7 @@ static bool front_roots(PyObject* tensors, PyObject* grad_tensors, py::tuple* ro
 // touched).
 static bool front_governs(Node* node, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   PyObject* slot[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (!front_arguments(args, nargs, kwnames, slot) || !front_gate_open(*front_state)) return false;
+  if (!front_open.load(std::memory_order_acquire) || !front_arguments(args, nargs, kwnames, slot)) return false;
   py::tuple roots;
   py::list grads;
   if (!front_roots(slot[0], slot[1], &roots, &grads)) return false;

@@ -210,20 +210,30 @@ static void count_multiplications(const Apply& a, const Governor& g, Outcome* oc
   if (P.unowned_param_pos.size() && !P.custom_nodes && !g.warn.is_none()) g.warn(py::cast(a.plan_owner));
 }
 
+// What a top-level backward hands govern_top besides its call: the
+// Reading (kept for nested backwards and bindings, never read here), its
+// factors by group position (graphscale/_core/snapshot.py Reading.factor_list),
+// and from its frame (graphscale/_backward/frames.py Frame) what the seeds
+// carry by default and the backward's on_failure list.
+struct TopCall {
+  py::object reading;
+  std::vector<double> factors;
+  double carries = 1.0;
+  py::object on_failure;
+};
+
 // top(governor, ...): a top-level governed backward (graphscale/_entry/entry.py
-// and python_route.py govern_in_python from the decision on).  factors: by
-// group position; frame: (scaling, what the seeds carry by default, the
-// backward's on_failure list), graphscale/_backward/frames.py.
-static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads, py::object reading,
-                             const py::tuple& flags, py::object frame, bool want_stats) {
+// and _routes/python.py govern_in_python from the decision on).
+static py::object govern_top(py::object self, const py::tuple& roots, const py::list& grads, const TopCall& t,
+                             const py::tuple& flags, bool want_stats) {
   const Governor& g = self.cast<const Governor&>();
   Outcome oc;
   Apply a;
   if (!a.call.read(roots, grads, flags)) return declined("call");
-  a.reading = reading;
+  a.reading = t.reading;
   auto t0 = Clock_::now();
-  const std::vector<double> factors = reading.attr("factor_list").cast<std::vector<double>>();
-  const std::vector<double> carries = carries_of(roots, frame.attr("carries").cast<double>());
+  const std::vector<double>& factors = t.factors;
+  const std::vector<double> carries = carries_of(roots, t.carries);
   bool same = true;
   for (double f : factors) same = same && f == factors[0];
   double potential = std::nan("");
@@ -245,8 +255,8 @@ static py::object govern_top(py::object self, const py::tuple& roots, const py::
   count_multiplications(a, g, &oc);
   const bool has_potential = !std::isnan(potential);
   if (has_potential || (g.hook_owners && (oc.kind != kPlanned || a.plan->tensor_hooks)))
-    a.binding = make_binding(reading, has_potential ? py::object(py::float_(potential)) : py::none(),
-                             frame.attr("on_failure"), false, has_potential ? self : py::none(), factors);
+    a.binding = make_binding(t.reading, has_potential ? py::object(py::float_(potential)) : py::none(),
+                             t.on_failure, false, has_potential ? self : py::none(), factors);
   run_applied(a, &oc);
   return want_stats ? oc.stats() : py::none();
 }

@@ -158,8 +158,7 @@ struct Undo {
   // that need a gradient, or GradientEdges.
   py::tuple bind_roots(const py::tuple& roots, py::object binding) {
     GS_SEAM(if (!may_bind.load()) return roots;)
-    static PyObject* edge_type =
-        py::object(py::module_::import("torch.autograd.graph").attr("GradientEdge")).release().ptr();
+    PyObject* edge_type = registry->edge_type.ptr();  // torch.autograd.graph.GradientEdge (configure)
     bind = std::make_shared<BindState>();
     bind->binding = binding.release().ptr();
     torch::autograd::edge_list edges;

@@ -2,7 +2,8 @@
 // objects it needs (Registry, configure), a snapshot's Governor, a graph
 // task's Binding, the registry of running plans and the lookup of the plan a
 // nested backward runs inside (find_enclosing).  Python twin:
-// graphscale/_backward/running.py (Binding, running_plan, find_enclosing).
+// graphscale/_backward/python_backend.py (Binding, PythonBackend) and
+// graphscale/_backward/running.py (find_enclosing).
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
@@ -29,7 +30,7 @@
 // Python route handles: a call it cannot read ("call"), a seed it cannot
 // make ("seed"), more than 64 factors ("factors").  Python declines before
 // the call what the native hooks cannot do (inputs=, compiled autograd: NOTE
-// [ Which route governs a backward ] in graphscale/_routes/native.py).  Same
+// [ Which route governs a backward ] in graphscale/_backward/gate.py).  Same
 // decisions, same plans, same seeds as the Python route
 // (tests/native/test_route.py runs the suite's graphs through both).
 //
@@ -44,32 +45,40 @@
 // interface; running.py calls the backend the state is in); running.py's
 // PythonBackend serves only before this module keeps the state, and its
 // Python binding hook also under compiled autograd, which lifts Python hooks only.
-// The graph task -> Binding map is one Python dict (running._by_task) that
+// The graph task -> Binding map is one Python dict (running.bindings) that
 // both kinds of hook write, so output hooks read one map either way.
+// Nothing here reads an attribute of graphscale's Python by name: what it
+// needs is handed over as values (configure; top's arguments) or read from
+// its own C++ structs (the gate: NOTE [ The native front ] in front.h).
 
-// Process-wide Python objects the route needs (native.configure, once).
+// Process-wide Python objects the route needs (native.configure, once;
+// graphscale/_backward/native_backend.py NativeBackend.configure hands them over).
 struct Registry {
-  py::object by_task;      // graphscale._backward.running._by_task: graph task id -> Binding
+  py::object by_task;      // graphscale._backward.running.bindings: graph task id -> Binding
   py::object original;     // torch.autograd.backward as torch defined it (graphscale._backward.sharing.ORIGINAL_BACKWARD)
   py::object param_type;   // torch.nn.Parameter
   py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
   py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
   py::object original_own; // its twin for calls an override sees (NOTE [ An override sees torch's own
                            // backward ] in graphscale/_backward/overrides.py)
+  py::object joined;       // graphscale._backward.native_backend.joined: (once, on_failure, reference) of
+                           // a binding that is not this module's (running.py's Python Binding)
+  py::object edge_type;    // torch.autograd.graph.GradientEdge
 };
 
 // A decline: the reason (a short str) the Python route takes the backward
 // for, having touched nothing (graphscale/_routes/native.py counts it: NOTE [ Which
-// route governs a backward ] there).
+// route governs a backward ] in graphscale/_backward/gate.py).
 static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
 static void configure(py::object by_task, py::object original, py::object param_type, py::object module_type_,
-                      py::object carries_attr, py::object innermost, py::object original_own) {
+                      py::object carries_attr, py::object innermost, py::object original_own, py::object joined,
+                      py::object edge_type) {
   if (registry == nullptr) registry = new Registry();
   Py_XDECREF(module_type);
   module_type = module_type_.inc_ref().ptr();
-  *registry = Registry{by_task, original, param_type, carries_attr, innermost, original_own};
+  *registry = Registry{by_task, original, param_type, carries_attr, innermost, original_own, joined, edge_type};
 }
 
 #ifdef GRAPHSCALE_TEST_SEAMS
@@ -143,21 +152,20 @@ static PyObject* current_binding() {
 }
 
 // A Binding's fields as Python reads them (running.py's Binding has the
-// same names): in the instance's __dict__, set once when it is made, so
-// that a read is a plain attribute read, not a pybind11 property call (the
-// DeepSpeed adapter's output hooks read four of them per engine and
-// backward: graphscale/_adapters/deepspeed/hooks.py _governing).  The C++
-// side reads the struct; neither changes after this.
+// same names): in the instance's __dict__, set once from the struct when it
+// is made, so that a read is a plain attribute read, not a pybind11
+// property call (the DeepSpeed adapter's output hooks read them per engine
+// and backward: graphscale/_adapters/deepspeed/hooks.py _governing).  The
+// C++ side reads the struct only; neither changes after this.
 static py::object exposed(py::object obj) {
-  static const char* const kNames[] = {"reading", "potential", "once", "on_failure", "reference", "state"};
-  static PyObject* names[6] = {nullptr};
+  static const char* const kNames[] = {"reading", "potential", "once", "on_failure", "reference"};
+  static PyObject* names[5] = {nullptr};
   if (names[0] == nullptr)
-    for (int k = 0; k < 6; ++k) names[k] = PyUnicode_InternFromString(kNames[k]);  // kept for the process
+    for (int k = 0; k < 5; ++k) names[k] = PyUnicode_InternFromString(kNames[k]);  // kept for the process
   const Binding& b = obj.cast<const Binding&>();
-  py::object state = b.reading.attr("state");
-  PyObject* values[6] = {b.reading.ptr(), b.potential.ptr(), b.once.ptr(), b.on_failure.ptr(),
-                         b.reference ? Py_True : Py_False, state.ptr()};
-  for (int k = 0; k < 6; ++k)
+  PyObject* values[5] = {b.reading.ptr(), b.potential.ptr(), b.once.ptr(), b.on_failure.ptr(),
+                         b.reference ? Py_True : Py_False};
+  for (int k = 0; k < 5; ++k)
     if (PyObject_GenericSetAttr(obj.ptr(), names[k], values[k]) != 0) throw py::error_already_set();
   return obj;
 }
@@ -175,11 +183,16 @@ static py::object make_binding(py::object reading, py::object potential, py::obj
   b.factors = std::move(factors);
   b.reference = reference;
   PyObject* enclosing = current_binding();
-  if (enclosing != nullptr) {  // a native Binding, or running.py's Python one (a reference pass)
-    py::handle e(enclosing);
-    b.once = e.attr("once");
-    b.on_failure = e.attr("on_failure");
-    b.reference = b.reference || e.attr("reference").cast<bool>();
+  if (enclosing != nullptr && py::isinstance<Binding>(py::handle(enclosing))) {
+    const Binding& e = py::handle(enclosing).cast<const Binding&>();
+    b.once = e.once;
+    b.on_failure = e.on_failure;
+    b.reference = b.reference || e.reference;
+  } else if (enclosing != nullptr) {  // running.py's Python one (made before this module kept the state)
+    const py::tuple fields = registry->joined(py::handle(enclosing));
+    b.once = fields[0];
+    b.on_failure = fields[1];
+    b.reference = b.reference || fields[2].cast<bool>();
   } else {
     b.once = py::reinterpret_steal<py::object>(PySet_New(nullptr));
     b.on_failure = on_failure.is_none() ? registry->innermost() : on_failure;
@@ -189,8 +202,8 @@ static py::object make_binding(py::object reading, py::object potential, py::obj
 
 // The registry of walked plans whose backward is running, any thread,
 // innermost last (NOTE [ One running state, both routes ]).  `plan` is null
-// for a Python route's Python plan (past 64 factors: asked through
-// phi_of).  Changed and read with the GIL held only.
+// for a Python route's Python plan (past 64 factors: asked through the
+// phi_of it was registered with).  Changed and read with the GIL held only.
 //
 // A natively governed backward registers its plan as a C++ object only: no
 // Python object is made for it (making and freeing one cost about as much as
@@ -201,13 +214,16 @@ struct RunningEntry {
   PyObject* plan_obj;  // strong; null for a native plan registered without a Python object
   PyObject* reading;   // strong
   uint64_t token;
+  PyObject* phi_of;    // strong: a Python plan's phi_of(node) -> float | None; null for a native plan
 };
 static std::vector<RunningEntry> native_running;
 static uint64_t next_token = 1;
 
-static uint64_t push_running(PlanPtr plan, py::object plan_obj, py::object reading) {
+static uint64_t push_running(PlanPtr plan, py::object plan_obj, py::object reading,
+                             py::object phi_of = py::object()) {
   const uint64_t token = next_token++;
-  native_running.push_back(RunningEntry{std::move(plan), plan_obj.release().ptr(), reading.release().ptr(), token});
+  native_running.push_back(RunningEntry{std::move(plan), plan_obj.release().ptr(), reading.release().ptr(), token,
+                                        phi_of.release().ptr()});
   return token;
 }
 
@@ -217,9 +233,11 @@ static void pop_running(uint64_t token) {
       PlanPtr plan = std::move(native_running[i].plan);  // freed last: freeing may run Python
       PyObject* plan_obj = native_running[i].plan_obj;
       PyObject* reading = native_running[i].reading;
+      PyObject* phi_of = native_running[i].phi_of;
       native_running.erase(native_running.begin() + static_cast<std::ptrdiff_t>(i));
       Py_XDECREF(plan_obj);
       Py_DECREF(reading);
+      Py_XDECREF(phi_of);
       return;
     }
 }
@@ -263,8 +281,8 @@ static Enclosing find_enclosing(Node* node) {
     if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
     const RunningEntry& e = native_running[k];
     if (e.plan == nullptr) {  // Python runs here and may let another thread change the registry
-      py::object plan = py::reinterpret_borrow<py::object>(e.plan_obj);
-      if (plan.attr("phi_of")(py_of(node)).is_none()) continue;
+      py::object phi_of = py::reinterpret_borrow<py::object>(e.phi_of);
+      if (phi_of(py_of(node)).is_none()) continue;
       out.kind = Enclosing::kPython;
       return out;
     }
@@ -298,8 +316,8 @@ static py::object enclosing_phi(py::handle obj) {
     if (k >= native_running.size()) continue;  // another thread's backward ended while Python ran (below)
     const RunningEntry& e = native_running[k];
     if (e.plan == nullptr) {  // Python runs here and may let another thread change the registry
-      py::object plan = py::reinterpret_borrow<py::object>(e.plan_obj);
-      py::object phi = plan.attr("phi_of")(obj);
+      py::object phi_of = py::reinterpret_borrow<py::object>(e.phi_of);
+      py::object phi = phi_of(obj);
       if (!phi.is_none()) return phi;
       continue;
     }

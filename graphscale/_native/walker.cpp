@@ -1,8 +1,9 @@
-// graphscale native walk + plan + governed backward: the Python bindings.
+// walker.cpp: the native module's bindings.  Python twin:
+// graphscale/_backward/native_backend.py NativeBackend (the interface) and
+// graphscale/_native/__init__.py (loading).
 //
-// The same computation as graphscale/_planner/plan.py build (the walk of
-// graphscale/_planner/walk.py, the pins) followed by graphscale/_planner/potentials.py (see NOTE [
-// Potentials ] there), done on the C++ autograd Nodes directly:
+// The planner (planner/) makes the plan of graphscale/_planner/plan.py build,
+// done on the C++ autograd Nodes directly:
 // breadth-first discovery over next_edges, Kahn's topological order, pins on
 // AccumulateGrad leaves, bottom-up reachable pin values and votes, top-down
 // potentials.  Every order and tie-break mirrors the Python reference, so the
@@ -64,7 +65,7 @@ static void def_planner(py::module_& m) {
 
 // The running state's face (registry.h, bind.h, hooks.h, for_python.h).
 static void def_running(py::module_& m) {
-  // Its fields (reading, potential, once, on_failure, reference, state) are
+  // Its fields (reading, potential, once, on_failure, reference) are
   // in each instance's __dict__ (registry.h exposed).
   py::class_<Binding>(m, "Binding", py::module_local(), py::dynamic_attr());
   py::class_<RunningPlan>(m, "RunningPlan", py::module_local())
@@ -73,15 +74,19 @@ static void def_running(py::module_& m) {
         if (self.token != 0) pop_running(self.token);
         self.token = 0;
       });
-  m.def("running_plan", [](py::object plan, py::object reading) {
+  // running_plan(plan, reading, phi_of): phi_of None for a NativePlan, else the Python plan's phi_of.
+  m.def("running_plan", [](py::object plan, py::object reading, py::object phi_of) {
     RunningPlan r;
     PlanPtr native = py::isinstance<NativePlan>(plan) ? plan.cast<PlanPtr>() : nullptr;
-    r.token = push_running(std::move(native), std::move(plan), std::move(reading));
+    if (native == nullptr && phi_of.is_none())
+      throw std::invalid_argument("graphscale: running_plan() of a Python plan needs its phi_of");
+    r.token = push_running(std::move(native), std::move(plan), std::move(reading),
+                           native != nullptr ? py::object() : std::move(phi_of));
     return r;
   });
   m.def("configure", &configure);
-  m.def("binding", [](py::object reading, py::object potential, py::object on_failure, py::object governor) {
-    std::vector<double> factors = reading.attr("factor_list").cast<std::vector<double>>();
+  m.def("binding", [](py::object reading, py::object potential, py::object on_failure, py::object governor,
+                      std::vector<double> factors) {
     return make_binding(std::move(reading), std::move(potential), std::move(on_failure), false,
                         std::move(governor), std::move(factors));
   });
@@ -92,6 +97,7 @@ static void def_running(py::module_& m) {
   m.def("enclosing_phi", &enclosing_phi);
   m.def("nested_plan", &nested_plan);
   m.def("configure_front", &configure_front);
+  m.def("set_front_open", &set_front_open);
   py::class_<Bound>(m, "Bound", py::module_local())
       .def("__enter__", [](Bound& self) { return self.roots; })
       .def("__exit__", [](Bound& self, py::args) {
@@ -134,17 +140,30 @@ static bool positional(const char* name, const char* usage, Py_ssize_t n, Py_ssi
   return false;
 }
 
-// top(governor, roots: tuple, grads: list, reading, (retain_graph, create_graph, inputs), frame, want_stats)
+// top(governor, roots: tuple, grads: list, reading, factors: list, (retain_graph, create_graph, inputs),
+//     carries: float, on_failure: list, want_stats)
 static PyObject* top_entry(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (!positional("top", "governor, roots: tuple, grads: list, reading, flags: tuple, frame, want_stats", n, 7,
-                  n == 7 && PyTuple_Check(args[1]) && PyList_Check(args[2]) && PyTuple_Check(args[4])))
+  if (!positional("top",
+                  "governor, roots: tuple, grads: list, reading, factors: list, flags: tuple, carries: float, "
+                  "on_failure: list, want_stats",
+                  n, 9,
+                  n == 9 && PyTuple_Check(args[1]) && PyList_Check(args[2]) &&
+                      (PyList_Check(args[4]) || PyTuple_Check(args[4])) && PyTuple_Check(args[5])))
     return nullptr;
   try {
     py::detail::loader_life_support frame;  // as inside pybind11's dispatcher (casts may keep temporaries)
+    TopCall t;
+    t.reading = py::reinterpret_borrow<py::object>(args[3]);
+    const Py_ssize_t nf = PySequence_Fast_GET_SIZE(args[4]);  // (a list or a tuple: checked above)
+    PyObject** items = PySequence_Fast_ITEMS(args[4]);
+    t.factors.resize(static_cast<size_t>(nf));
+    for (Py_ssize_t k = 0; k < nf; ++k) t.factors[static_cast<size_t>(k)] = PyFloat_AsDouble(items[k]);
+    t.carries = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred()) throw py::error_already_set();
+    t.on_failure = py::reinterpret_borrow<py::object>(args[7]);
     return govern_top(py::reinterpret_borrow<py::object>(args[0]), py::reinterpret_borrow<py::tuple>(args[1]),
-                      py::reinterpret_borrow<py::list>(args[2]), py::reinterpret_borrow<py::object>(args[3]),
-                      py::reinterpret_borrow<py::tuple>(args[4]), py::reinterpret_borrow<py::object>(args[5]),
-                      PyObject_IsTrue(args[6]) == 1)
+                      py::reinterpret_borrow<py::list>(args[2]), t, py::reinterpret_borrow<py::tuple>(args[5]),
+                      PyObject_IsTrue(args[8]) == 1)
         .release()
         .ptr();
   } catch (...) {
@@ -172,7 +191,7 @@ static PyObject* nested_entry(PyObject*, PyObject* const* args, Py_ssize_t n) {
 // front(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None):
 // torch.autograd.backward while the native route governs (NOTE [ The native front ] in front.h).
 static PyObject* front_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  if (front_state == nullptr) {
+  if (front_python == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "graphscale: the native front was called before configure_front");
     return nullptr;
   }
@@ -185,7 +204,7 @@ static PyObject* front_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs,
       return raised_here();
     }
   }
-  return PyObject_Vectorcall(front_state->python.ptr(), args, nargs, kwnames);
+  return PyObject_Vectorcall(front_python->ptr(), args, nargs, kwnames);
 }
 
 static PyMethodDef entries[] = {
@@ -204,7 +223,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_planner(m);
   def_running(m);
   py::class_<Governor>(m, "Governor", py::module_local()).def(py::init<py::object, int, py::object, bool, py::object>());
-  this_module = m.ptr();  // (front.h: is the running state in this module?)
   for (PyMethodDef& def : entries) {  // NOTE [ Two entries without pybind11's dispatcher ]
     PyObject* fn = PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
     if (fn == nullptr) throw py::error_already_set();

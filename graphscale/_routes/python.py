@@ -1,6 +1,7 @@
 """The Python route: the governed backward in Python, the reference the
 native route must match, and the route of every backward the native one
-declines (NOTE [ Which route governs a backward ] in ``native.py``).
+declines (NOTE [ Which route governs a backward ] in ``_backward/gate.py``).
+C++ twins: ``_native/govern.h`` (the backward), ``_native/hooks.h`` (the hooks).
 
 From the reading on it decides (``decide.py``: left alone, the fast path,
 or a plan), scales the seeds, puts each edge multiplier on its node as a

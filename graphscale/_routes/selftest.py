@@ -2,7 +2,7 @@
 and plain PyTorch, before the native route governs anything (NOTE [ The
 native route's self-test ] below).  It runs whole governed backwards, so the
 entry hands it the function that governs one (``govern``); the entry
-registers it with the native route (``native.register_self_test``)."""
+registers it with the native route (``gate.register_self_test``)."""
 # NOTE [ The native route's self-test ]
 # The native route is a second implementation of the governed backward, built
 # against whichever torch the user runs.  Before it governs anything (at
@@ -29,14 +29,14 @@ from typing import Any, Callable
 import torch
 
 from .._backward import call as _call
+from .._backward import gate as _gate
 from .._backward.call import BackwardCall
-from .._backward.frames import compiled_autograd_active
+from .._backward.gate import compiled_autograd_active
 from .._core import observation as _observation
 from .._core.errors import GraphscaleError
 from .._core.group import Group
 from .._core.releases import NEWEST_TESTED
 from .._core.snapshot import State
-from . import native as _route
 
 __all__ = ["failure", "require_python_route"]
 
@@ -104,7 +104,7 @@ def failure(native: Any, govern: Governs) -> str | None:
                     if route == "native":
                         govern(call, state, native)
                     else:
-                        with _route.python_only():
+                        with _gate.python_only():
                             govern(call, state, None)
                 except Exception as exc:  # noqa: BLE001 - the warning names it
                     return f"{case}, {route} route: {type(exc).__name__}: {exc}"

@@ -13,11 +13,11 @@ import sys
 import torch
 
 from .. import _native
+from .._backward import gate as _gate
 from .._core import registry as _registry
 from .._core import releases as _releases
 from .._core.errors import GraphscaleError
 from .._native import build as _build
-from .._routes import native as _route
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # graphscale/ (this file is in _tools/)
 
@@ -58,14 +58,14 @@ def _native_rows(wait: float) -> list[Row]:
             ("native walker build log", log if os.path.exists(log) else "none (no failed build)", True)]
     try:
         with install(Group(torch.nn.Linear(1, 1), gas=2, name="env")):  # runs the self-tests, once per process
-            ok = module is not None and _route.enabled and _route.trusted(module)
+            ok = module is not None and _gate.route_enabled() and _gate.trusted(module)
     except GraphscaleError as exc:  # the Python route's self-test failed: nothing can be governed
         return [*rows, ("Python route self-test", f"FAILED: {exc}", False)]
     rows.append(("Python route self-test", "passed (plain PyTorch x factor, bit for bit)", True))
     if module is None:
         return [*rows, ("route", "python (the native walker is not loaded)", True)]
-    if not _route.enabled:
-        return [*rows, ("route", f"python ({_route.ROUTE_ENV}=python)", True)]
+    if not _gate.route_enabled():
+        return [*rows, ("route", f"python ({_gate.ROUTE_ENV}=python)", True)]
     test = "passed (both routes and plain PyTorch agree bit for bit)" if ok else "FAILED: see the warning above"
     return [*rows, ("native route self-test", test, True), ("route", "native" if ok else "python (self-test)", True)]
 

@@ -156,7 +156,7 @@ def test_mixed_graph_unowned_leaves_get_what_the_policy_says(case: str, unowned:
 @pytest.mark.parametrize("gas", [(2,), (2, 4)], ids=["probe", "plan"])
 @pytest.mark.parametrize("route", ["native", "python"])
 def test_a_tensor_flagged_is_param_is_an_unowned_parameter(route: str, gas: tuple[int, ...], flagged: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           request: pytest.FixtureRequest) -> None:
     """``isinstance(t, nn.Parameter)`` is True for a plain tensor with
     ``_is_param`` set (torch's Parameter metaclass): under the default policy
     such an unowned leaf gets exactly its plain gradient, on both routes, in
@@ -164,10 +164,8 @@ def test_a_tensor_flagged_is_param_is_an_unowned_parameter(route: str, gas: tupl
     Unflagged, the same leaf is an input and takes a factor in play, so the
     test reads the flag (the native walker reads it from the tensor's dict)."""
     from graphscale import observe
-    from graphscale._routes import native as _route
-
     if route == "python":
-        monkeypatch.setattr(_route, "enabled", False)
+        request.getfixturevalue("python_route")
     else:
         native_route_or_skip()
     mods = [linear(40 + k) for k in range(len(gas))]

@@ -5,7 +5,7 @@ Compiled autograd captures the autograd graph, hooks included, into an FX
 graph that dynamo compiles, and replays it while the graph keeps its shape.
 graphscale's native hooks are C++ and compiled autograd cannot lift them, so
 such a backward takes the Python route (NOTE [ Which route governs a
-backward ] in graphscale/_routes/native.py), counted with the reason "compiled
+backward ] in graphscale/_backward/gate.py), counted with the reason "compiled
 autograd"; DeepSpeed's prologue and graphscale's hook-time reads run eagerly
 (NOTE [ Under compiled autograd ] in graphscale/_adapters/deepspeed/compiled.py).  Every
 case is checked against plain PyTorch in the same test, step after step, and

@@ -5,7 +5,7 @@ the test instead of killing pytest.  Each child runs its scenario on both
 routes, with one group and with two, and reports every completed backward,
 every gradient off plain x factor and every hook off the device thread.
 
-What CUDA adds to tests/test_concurrent_backwards.py: the nodes of all the
+What CUDA adds to tests/hardening/test_concurrent_backwards.py: the nodes of all the
 threads' backwards run on one thread, interleaved, and a reentrant
 checkpoint's nested backward, run by that thread, runs the other threads'
 nodes while it waits for its own."""

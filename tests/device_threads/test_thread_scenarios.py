@@ -1,4 +1,4 @@
-"""The thread scenarios of tests/test_cuda.py (tests/test_thread_governance.py
+"""The thread scenarios of tests/stacks/test_cuda.py (tests/hardening/test_thread_governance.py
 on CUDA) with plain groups, on the device-thread device
 (tests/helpers/device_threads.py): a backward's nodes run on the device thread
 while other threads install and remove, and ungoverned backwards
@@ -14,7 +14,7 @@ thread of its own, and the test's thread installs and removes.  Every wait
 is bounded (a deadlock fails the test, it does not hang it); no hook raises
 (an exception in a device node aborts the process: tests/helpers/device_threads.py).
 
-What of tests/test_cuda.py runs on this device, and what still needs a GPU:
+What of tests/stacks/test_cuda.py runs on this device, and what still needs a GPU:
 
 * runs here, with plain groups: its device-thread premise (hooks off the
   caller's thread: test_device.py) and its thread scenarios
@@ -25,7 +25,7 @@ What of tests/test_cuda.py runs on this device, and what still needs a GPU:
   CUDA accelerator, the one-rank NCCL group, ZeRO's reduction and
   partitioning on device; DeepSpeed's output hooks finding the task binding
   on a device thread, which plain groups never make), fp16/bf16 kernels and
-  loss scaling (tests/test_fp16.py), CUDA's float32 kernels against the CPU
+  loss scaling (tests/deepspeed_engines/test_fp16.py), CUDA's float32 kernels against the CPU
   oracle (CUDA_FP32_TOL), streams (the device has one implicit stream:
   nothing crosses streams here), a backward that raises on a device thread
   (it aborts this device), several GPUs, and ``scripts/gpu_check.sh``'s
@@ -243,7 +243,7 @@ def test_autograd_grad_nested_in_a_governed_backward_on_the_device_thread_is_pla
 @pytest.mark.parametrize("route", dt.ROUTES)
 def test_remove_from_a_device_thread_hook_before_a_reentrant_checkpoint_recomputes_keeps_that_backward_exact(
         route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/test_thread_governance.py's last test, with the hook (and so the
+    """tests/hardening/test_thread_governance.py's last test, with the hook (and so the
     remove() and the checkpoint's nested backward) on the device thread."""
     dt.use_route(route, monkeypatch)
     world = World()

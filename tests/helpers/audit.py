@@ -19,12 +19,11 @@ def nested() -> tuple[list[graphscale.Group], Callable[[], torch.Tensor]]:
     return groups, lambda: outer(torch.tanh(inner(x))).sum()
 
 
-def double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch) -> None:
+def double_every_edge_multiplier(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """A planner bug: every edge multiplication applied twice over (in the
-    Python route's hooks, so the route is switched to it)."""
-    from graphscale._routes import native as _route
-
-    monkeypatch.setattr(_route, "enabled", False)
+    Python route's hooks, so the route is switched to it: the ``python_route``
+    fixture)."""
+    request.getfixturevalue("python_route")
     real = _python_route.post_hook
     monkeypatch.setattr(_python_route, "post_hook",
                         lambda mults, *rest: real(tuple((k, 2 * m) for k, m in mults), *rest))

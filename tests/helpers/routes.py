@@ -10,9 +10,9 @@ def native_route_or_skip() -> Any:
     """The native module, where the native route governs backwards here;
     else the test is skipped (GRAPHSCALE_ROUTE=python, or no native walker)."""
     from graphscale import _native
-    from graphscale._routes import native as _route
+    from graphscale._backward import gate as _gate
 
     native = _native.wait()
-    if native is None or not _route.enabled:
+    if native is None or not _gate.route_enabled():
         pytest.skip("the native route is off here (GRAPHSCALE_ROUTE=python, or no native walker)")
     return native

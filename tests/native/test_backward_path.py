@@ -11,7 +11,8 @@ caller into one module (a constructor, then ``__enter__``; one pin per
 group) are one visit;
 a module *re-entered* is one the path enters again after it went on into
 another module.  The native route (every backward by default) enters at most
-six modules and re-enters none; the Python route, the reference, enters the
+seven modules (the sixth, the gate, decides: NOTE [ Which route governs a
+backward ] in graphscale/_backward/gate.py) and re-enters none; the Python route, the reference, enters the
 planner's modules too and re-enters none more than once.
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ import torch
 import graphscale
 from graphscale._backward import call as _call
 from graphscale._entry import entry as _entry
-from graphscale._routes import native as _route
 
 from helpers.routes import native_route_or_skip
 
@@ -35,12 +35,13 @@ TORCH = (_call.ORIGINAL_BACKWARD.__code__, torch.autograd.graph._engine_run_back
 ENTRY = _entry.governed_backward.__code__
 NATIVE_TOP_LEVEL = [("_entry/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
                     ("_backward/frames.py", "Frame.__init__"), ("_core/snapshot.py", "State.read"),
-                    ("_core/group.py", "read_pins"), ("_routes/native.py", "govern_natively")]
+                    ("_core/group.py", "read_pins"), ("_routes/native.py", "govern_natively"),
+                    ("_backward/gate.py", "reason")]
 # NOTE [ The native front ] (graphscale/_native/front.h): once the native route governs, a nested
 # backward goes from torch.autograd.backward (the native front) to torch's own without one Python frame
 # of graphscale's; where the front hands a nested call on, the Python entry takes it through these:
-PYTHON_ENTRY_NESTED = [("_entry/entry.py", "governed_backward"), ("_routes/native.py", "govern_nested_natively"),
-                       ("_backward/frames.py", "compiled_autograd_active")]
+PYTHON_ENTRY_NESTED = [("_entry/entry.py", "governed_backward"), ("_backward/call.py", "BackwardCall.of"),
+                       ("_routes/native.py", "govern_nested_natively"), ("_backward/gate.py", "reason")]
 
 
 def _module_of(filename: str) -> str | None:
@@ -122,7 +123,7 @@ def native_route() -> None:
 
 
 @pytest.mark.parametrize("shape", ["mixed", "fast path", "nested engine boundary"])
-def test_a_top_level_backward_on_the_native_route_enters_six_modules_each_once(native_route: None,
+def test_a_top_level_backward_on_the_native_route_enters_seven_modules_each_once(native_route: None,
                                                                                shape: str) -> None:
     groups, a, b, c = _groups()
     x = torch.randn(4, 3)
@@ -161,8 +162,7 @@ def test_a_nested_call_the_front_hands_on_enters_the_python_entry_then_the_nativ
     assert _Recompute.traced == PYTHON_ENTRY_NESTED, _Recompute.traced
 
 
-def test_the_python_route_re_enters_no_module_more_than_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_route, "enabled", False)
+def test_the_python_route_re_enters_no_module_more_than_once(python_route: None) -> None:
     groups, a, b, c = _groups()
     x = torch.randn(4, 3, requires_grad=True)
     with graphscale.install(*groups):

@@ -2,13 +2,22 @@
 route governs, ``torch.autograd.backward`` is the native module's front.  A
 nested backward called in any plain style is governed by it, with no Python
 entry, and exactly; a call it does not read (``inputs=``) or one an observer
-must see (the DEBUG log) goes on to the Python entry, exactly too."""
+must see (the DEBUG log, a recorder) goes on to the Python entry, exactly
+too.  The front's gate is one flag the gate (graphscale/_backward/gate.py)
+pushes: each of its inputs is obeyed at once, or (what a top-level backward
+reads: the logger, compiled autograd) from the next top-level backward; and
+the C++ reads no attribute of graphscale's Python by name."""
 from __future__ import annotations
 
 import copy
 import logging
+import re
 import sys
-from typing import Any
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import observe
+from graphscale._backward import gate as _gate
 from graphscale._entry import entry as _entry
 
 from helpers.grads import full_grads
@@ -182,3 +192,139 @@ def test_a_deepspeed_engines_checkpointed_block_is_governed_by_the_front_exactly
     bad = [i for i, (g, p, f) in enumerate(zip(got, plain, factors)) if not torch.equal(g, p * f)]
     assert not bad, f"parameters {bad} differ from plain x factor"
     assert len(calls) == 1, f"the Python entry ran {len(calls)} times: the checkpoint's nested call went through it"
+
+
+@contextmanager
+def _route_switched_off() -> Iterator[None]:
+    with _gate.route_override(False):
+        yield
+
+
+@contextmanager
+def _a_route_recorder() -> Iterator[None]:
+    with observe.routes(lambda route, why: None):
+        yield
+
+
+@contextmanager
+def _python_only_on_another_thread() -> Iterator[None]:
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _gate.python_only():
+            inside.set()
+            leave.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait()
+    try:
+        yield
+    finally:
+        leave.set()
+        t.join()
+
+
+@contextmanager
+def _compiled_autograd_on() -> Iterator[None]:
+    """What the gate reads of compiled autograd, switched on (the backwards
+    run eagerly: tests/test_compiled_autograd.py captures for real)."""
+    ca = pytest.importorskip("torch._dynamo.compiled_autograd")
+    was = ca.in_compiled_autograd_region
+    ca.in_compiled_autograd_region = True
+    try:
+        yield
+    finally:
+        ca.in_compiled_autograd_region = was
+
+
+@contextmanager
+def _debug_log() -> Iterator[None]:
+    log = logging.getLogger("graphscale")
+    was = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        log.setLevel(was)
+
+
+# (the input switched on, when the front obeys it: "at once", or from "the next top-level backward")
+GATE_INPUTS: dict[str, tuple[Callable[[], Any], str]] = {
+    "the route switched off": (_route_switched_off, "at once"),
+    "a route recorder": (_a_route_recorder, "at once"),
+    "python_only on another thread": (_python_only_on_another_thread, "at once"),
+    "compiled autograd": (_compiled_autograd_on, "the next top-level backward"),
+    "the logger at DEBUG": (_debug_log, "the next top-level backward"),
+}
+
+
+@pytest.mark.parametrize("name", list(GATE_INPUTS))
+def test_the_front_obeys_each_gate_input_and_governs_again_once_it_is_undone(name: str) -> None:
+    native_route_or_skip()
+    switch, when = GATE_INPUTS[name]
+    modules = _modules()
+    a, c, b = modules
+    x = torch.randn(4, 3)
+    _run("tuple", modules, x)
+    plain = _grads(modules)
+    factors = [1 / 2] * 2 + [1 / 8] * 2 + [1 / 4] * 2
+    with graphscale.install(graphscale.Group(a, gas=2), graphscale.Group(c, gas=8), graphscale.Group(b, gas=4)):
+        a(x).sum().backward()  # the native route governs: the front is adopted
+        _grads((a,))
+        assert torch.autograd.backward is not _entry.governed_backward, "the native front was not adopted"
+        assert _gate.front_open(), "the front is closed with nothing switched on"
+        _Styled.entered.clear()
+        with switch():
+            open_before = _gate.front_open()
+            _run("tuple", modules, x)
+            open_during = _gate.front_open()
+        governed = [_grads(modules)]
+        _run("tuple", modules, x)  # undone: "at once", or seen by this top-level backward
+        governed.append(_grads(modules))
+        assert _gate.front_open()
+    assert not open_during and open_before is (when != "at once"), (open_before, open_during)
+    assert _Styled.entered == [True, False], f"{name}: the front governed the nested call it had to hand on"
+    for got in governed:
+        bad = [i for i, (g, p, f) in enumerate(zip(got, plain, factors)) if not torch.equal(g, p * f)]
+        assert not bad, f"{name}: parameters {bad} differ from plain x factor"
+
+
+NATIVE = Path(graphscale.__file__).parent / "_native"
+# Every by-name read the C++ makes, each of an object that is not graphscale's
+# Python: the extension module's own attributes, torch's, a checkpoint's ctx.
+READS_ALLOWED = {
+    "m.attr(": "the extension module's own attributes: its name, its entries and flag (set)",
+    'py::getattr(autograd, "__file__"': "torch.autograd's file (engine.h: is the original torch's own?)",
+    'py::getattr(c, "_are_functorch_transforms_active"': "torch._C's function (engine.h)",
+    "PyObject_GetAttr(ctx.ptr(), name)": "a torch checkpoint ctx's run_function (the checkpoint hint)",
+}
+BY_NAME = re.compile(r"\.attr\(|getattr\(|GetAttr\b|GetAttrString|(?<!\w)_cache\b|module_::import\(\"graphscale")
+
+
+def test_the_native_code_reads_no_attribute_of_graphscales_python_by_name() -> None:
+    """What the C++ needs of graphscale's Python is handed over as values
+    (configure, top's arguments, the gate's flag): a rename in Python
+    breaks a call, never a silent read (style convention 16)."""
+    sources = sorted(p for p in NATIVE.rglob("*") if p.suffix in (".h", ".cpp"))
+    assert any(p.name == "walker.cpp" for p in sources), sources
+    found = []
+    for path in sources:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("//", 1)[0]
+            if BY_NAME.search(code) and not any(allowed in code for allowed in READS_ALLOWED):
+                found.append(f"{path.name}:{number}: {line.strip()}")
+    assert not found, "the C++ reads by name:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line, caught", [
+    ('  bool on = route.attr("enabled").cast<bool>();', True),
+    ("  PyObject* v = PyObject_GetAttr(F.running.ptr(), state);", True),
+    ("  PyObject* c = PyDict_GetItem(log_cache, debug);  // Logger._cache", False),
+    ("  auto cache = logger_cache;  PyObject* x = F._cache;", True),
+    ('  py::object m = py::module_::import("graphscale._routes.native");', True),
+    ('  m.attr("seams") = true;', False),
+])
+def test_the_by_name_check_catches_reads_and_nothing_else(line: str, caught: bool) -> None:
+    code = line.split("//", 1)[0]
+    assert bool(BY_NAME.search(code) and not any(a in code for a in READS_ALLOWED)) is caught

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 import graphscale
 from graphscale import _native, observe  # noqa: F401
+from graphscale._backward import gate as _gate
 from graphscale._backward import running as _running
-from graphscale._routes import native as _route
 
 from helpers import seams
 from helpers.functions import Boom, Recompute
@@ -35,8 +35,7 @@ def native(monkeypatch: pytest.MonkeyPatch) -> Any:
 def _both_routes(run: Callable[[], Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """``run()`` on the native route, then on the Python route: (native, python)."""
     native_out = run()
-    with monkeypatch.context() as m:
-        m.setattr(_route, "enabled", False)
+    with _gate.route_override(False):
         python_out = run()
     return native_out, python_out
 
@@ -132,7 +131,8 @@ def _leftovers(native: Any, before: tuple[int, ...]) -> dict[str, Any]:
 _CLEAN = {"multiplier hooks alive": 0, "binding hooks alive": 0, "running plans": (), "bound tasks": {}}
 
 
-@pytest.mark.skipif(not _route.enabled, reason="breaks the native route's own hooks: with GRAPHSCALE_ROUTE=python "
+@pytest.mark.skipif(not _gate.route_enabled(),
+                    reason="breaks the native route's own hooks: with GRAPHSCALE_ROUTE=python "
                     "no backward reaches them (the Python route's failures: tests/hardening/test_hooks.py)")
 @pytest.mark.parametrize("where", ["the first native hook", "a node of the backward", "a nested backward's last hook"])
 def test_a_failure_inside_the_native_route_leaves_no_hook_plan_or_binding_behind(

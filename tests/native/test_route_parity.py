@@ -1,5 +1,5 @@
 """Which route governs a backward is said, never a guess (NOTE [ Which route
-governs a backward ] in graphscale/_routes/native.py), the DEBUG log changes no route,
+governs a backward ] in graphscale/_backward/gate.py), the DEBUG log changes no route,
 and a native route that would be wrong on this torch is caught by its
 self-test before it governs anything (NOTE [ The native route's self-test ])."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 import graphscale
 from graphscale import _native, observe
-from graphscale._routes import native as _route
+from graphscale._backward import gate as _gate
 
 from helpers.grads import max_rel_err
 from helpers.routes import native_route_or_skip
@@ -35,8 +35,8 @@ def test_every_governed_backward_says_its_route_and_a_decline_its_reason() -> No
         with observe.routes(lambda route, reason: seen.append((route, reason))):
             b(a(x)).sum().backward()
             b(a(x)).sum().backward(inputs=[a.weight, b.weight])  # the Python route pins inputs=
-    native = _native.loaded() is not None and _route.enabled
-    first = ("native", None) if native else ("python", "GRAPHSCALE_ROUTE=python" if not _route.enabled
+    native = _native.loaded() is not None and _gate.route_enabled()
+    first = ("native", None) if native else ("python", "GRAPHSCALE_ROUTE=python" if not _gate.route_enabled()
                                              else "native walker not ready")
     second = ("python", "inputs=") if native else first
     assert seen == [first, second]
@@ -73,17 +73,16 @@ class _Skewed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def top(self, gov: Any, roots: Any, grads: Any, reading: Any, *rest: Any) -> Any:
-        return self._real.top(gov, roots, grads, reading._replace(factor_list=[2 * f for f in reading.factor_list]),
-                              *rest)
+    def top(self, gov: Any, roots: Any, grads: Any, reading: Any, factors: Any, *rest: Any) -> Any:
+        return self._real.top(gov, roots, grads, reading, [2 * f for f in factors], *rest)
 
 
 def test_the_self_test_passes_on_this_torch_and_needs_the_patch_for_its_nested_backward() -> None:
     native = native_route_or_skip()
     groups, _, _ = _pair()
     with graphscale.install(*groups):  # (install runs it; here it reads the verdict)
-        assert _route.self_test(native) and _route.trusted(native)
-    assert _route.self_test(native)  # the verdict stays
+        assert _gate.self_test(native) and _gate.trusted(native)
+    assert _gate.self_test(native)  # the verdict stays
 
 
 def test_a_native_route_giving_a_wrong_factor_fails_its_self_test_with_one_warning_and_every_backward_goes_python(
@@ -91,15 +90,15 @@ def test_a_native_route_giving_a_wrong_factor_fails_its_self_test_with_one_warni
 ) -> None:
     native = native_route_or_skip()
     skewed = _Skewed(native)
-    monkeypatch.setattr(_route, "_verdicts", dict(_route._verdicts))  # this test's verdicts go with it
+    monkeypatch.setattr(_gate, "_verdicts", dict(_gate._verdicts))  # this test's verdicts go with it
     said = rf"self-test on torch {re.escape(torch.__version__)} \(a planned backward, native route: a.weight"
     groups, a, b = _pair()
     with graphscale.install(*groups):  # the self-test's nested backward is governed through the patch
         with pytest.warns(RuntimeWarning, match=said):
-            assert not _route.self_test(skewed)
+            assert not _gate.self_test(skewed)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # one warning: the verdict is kept
-            assert not _route.trusted(skewed)
+            assert not _gate.trusted(skewed)
     monkeypatch.setattr(_native, "load", lambda: skewed)
     seen: list[Any] = []
     x = torch.randn(4, 3)

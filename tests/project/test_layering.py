@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_planner.potentials",),
     ("_planner.plan",),
     # _backward/: what a governed backward is made of
-    ("_backward", "_backward.overrides", "_backward.dynamo", "_backward.frames", "_backward.hints",
+    ("_backward", "_backward.overrides", "_backward.gate", "_backward.dynamo", "_backward.frames", "_backward.hints",
      "_backward.backend"),
     ("_backward.sharing", "_backward.python_backend", "_backward.native_backend", "_backward.unreached"),
     ("_backward.running",),

@@ -25,11 +25,12 @@ def test_a_right_scaling_passes_and_is_reported_per_group() -> None:
     assert [line.split()[:3] for line in report.splitlines()[2:]] == [["outer", "0.5", "2"], ["inner", "0.25", "2"]]
 
 
-def test_a_wrong_edge_multiplier_is_caught_naming_group_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_edge_multiplier_is_caught_naming_group_and_parameter(monkeypatch: pytest.MonkeyPatch,
+                                                                      request: pytest.FixtureRequest) -> None:
     groups, loss = nested()
     with graphscale.install(*groups), graphscale.audit() as check:
         loss().backward()  # right
-        double_every_edge_multiplier(monkeypatch)
+        double_every_edge_multiplier(monkeypatch, request)
         with pytest.raises(graphscale.AuditError) as err:
             loss().backward()
     text = str(err.value)
@@ -54,10 +55,10 @@ def test_a_wrong_group_factor_on_the_fast_path_is_caught(monkeypatch: pytest.Mon
 
 
 def test_without_raising_every_mismatch_is_kept_logged_and_reported(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
 ) -> None:
     groups, loss = nested()
-    double_every_edge_multiplier(monkeypatch)
+    double_every_edge_multiplier(monkeypatch, request)
     with graphscale.install(*groups), graphscale.audit(raise_on_error=False) as check:
         with caplog.at_level(logging.WARNING, logger="graphscale"):
             loss().backward()
@@ -68,14 +69,15 @@ def test_without_raising_every_mismatch_is_kept_logged_and_reported(
     assert groups[1].parameters[0].grad is not None
 
 
-def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unowned_leaves_under_raw_must_get_exactly_the_plain_gradient(monkeypatch: pytest.MonkeyPatch,
+                                                                       request: pytest.FixtureRequest) -> None:
     torch.manual_seed(0)
     owned, free = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     x = torch.randn(3, 2)
     with graphscale.install(graphscale.Group(owned, gas=2, name="owned"), unowned="plain"), graphscale.audit() as check:
         (owned(x) + free(x)).sum().backward()
         assert check.ok
-        double_every_edge_multiplier(monkeypatch)
+        double_every_edge_multiplier(monkeypatch, request)
         with pytest.raises(graphscale.AuditError, match=r"group '\(unowned\)' parameter 'leaf \(1, 2\)'"):
             (owned(x) + free(x)).sum().backward()
 

@@ -53,7 +53,7 @@ def test_audit_passes_a_zero_0_engine_plus_its_module_and_catches_a_wrong_factor
 @pytest.mark.deepspeed
 @require_deepspeed
 def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
-    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     torch.manual_seed(0)
     a_net, b_net = Net(), Net()
@@ -69,7 +69,7 @@ def test_audit_passes_two_zero_1_engines_and_catches_a_wrong_plan(
         wants = [*(w / 2 for w in want_a), *(w / 4 for w in want_b)]
         for p, w in zip([*a_net.parameters(), *b_net.parameters()], wants):
             torch.testing.assert_close(p.grad, w)
-        double_every_edge_multiplier(monkeypatch)
+        double_every_edge_multiplier(monkeypatch, request)
         named = r"group 'engine:Net#[0-9]+' parameter '(body|head)\.(weight|bias)'"
         with pytest.raises(graphscale.AuditError, match=named):
             a.backward(a(x).sum() + b(x).sum())

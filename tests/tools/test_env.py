@@ -12,7 +12,7 @@ import torch
 
 import graphscale
 from graphscale import _native
-from graphscale._routes import native as _route
+from graphscale._backward import gate as _gate
 from graphscale._tools import env as _env
 
 from helpers.engines import HAVE_DEEPSPEED
@@ -29,7 +29,7 @@ def test_env_prints_every_row_and_exits_zero_here() -> None:
         assert any(line.startswith(what + " ") for line in text.splitlines()), (what, text)
     assert torch.__version__ in text and graphscale.__version__ in text
     assert "Python route self-test   passed" in text, text
-    if not _route.enabled:  # GRAPHSCALE_ROUTE=python, which the report's process inherits
+    if not _gate.route_enabled():  # GRAPHSCALE_ROUTE=python, which the report's process inherits
         assert "\nroute                    python (GRAPHSCALE_ROUTE=python)" in text, text
     elif _native.walker_choice() != "python":
         assert "native route self-test   passed" in text and "\nroute                    native" in text, text

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..._backward.dynamo import eager
-from ..._backward.frames import compiled_autograd_active
+from ..._backward.gate import compiled_autograd_active
 from ..._core.errors import GraphscaleError
 
 __all__ = ["prologue_under_compiled_autograd", "refuse_compiled_autograd"]

@@ -149,7 +149,8 @@ class _EngineAdapter:
         def backward(loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
             if not adapter.active:
                 return deepspeeds_backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-            ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
+            # compiled_autograd_active() (_backward/gate.py), inline: a copy kept for speed, as in prologue()
+            ca = sys.modules.get("torch._dynamo.compiled_autograd")
             if (getattr(engine, "_is_compiled_autograd_enabled", False) or ca is not None
                     and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)):
                 refuse_compiled_autograd(engine, "graphscale: engine.backward")
@@ -183,7 +184,10 @@ class _EngineAdapter:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
         eagerly under compiled autograd (NOTE [ Under compiled autograd ] in
         _adapters/deepspeed/compiled.py)."""
-        ca = sys.modules.get("torch._dynamo.compiled_autograd")  # compiled_autograd_active(), inline
+        # compiled_autograd_active() (_backward/gate.py), inline: a copy kept for speed.  Its call is one more
+        # Python call per engine and backward (benchmarks/cost.py --calls-only, issue 49: mixed-loss 42 -> 44,
+        # mixed-engine 54 -> 57, one-engine 20 -> 21; the first two past the gate's margin of 3 % + 2).
+        ca = sys.modules.get("torch._dynamo.compiled_autograd")
         if ca is None or not (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
             self.deepspeeds_prologue()
         else:

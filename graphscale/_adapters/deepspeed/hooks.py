@@ -62,7 +62,7 @@ def _governing(d: dict[str, Any], tid: int) -> tuple[int, Any, Any, bool, Any, b
     binding = None if engine is None or not bindings else bindings.get(tid)
     reference, once, governed = False, None, False
     if binding is not None:
-        reference, governed = binding.reference, id(engine) in binding.state.hook_owners
+        reference, governed = binding.reference, id(engine) in binding.reading.state.hook_owners
         if reference or governed:
             once = binding.once
         else:

@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 import graphscale
 from graphscale import observe
-from graphscale._routes import native as _route
+from graphscale._backward import gate as _gate
 
 THREADS = 5
 ROUNDS = 40
@@ -239,7 +239,7 @@ def main(name: str) -> int:
     for groups, route in PYTHON_SETTINGS if disabled else SETTINGS:
         print("start", groups, route, flush=True)
         w = World()
-        _route.enabled = route == "native"
+        _gate.set_route_enabled(route == "native")
         if groups == "one group":  # B is an unowned Parameter; the group sits on U (issue 38) and on A
             fa, fb, made = 0.25, 1.0, [graphscale.Group(w.A, gas=4), graphscale.Group(w.U, gas=4)]
         else:

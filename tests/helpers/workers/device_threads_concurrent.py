@@ -2,7 +2,7 @@
 program tests/device_threads/test_concurrency.py runs in a
 child process (``python _device_threads_concurrent.py SCENARIO``), so that a
 crash (SIGSEGV, SIGABRT) is a failed test, not a dead test run.  The device
-thread model of tests/_concurrent_backwards.py's scenarios.
+thread model of tests/helpers/workers/concurrent_backwards.py's scenarios.
 
 On CUDA, every thread's backward hands its nodes to the same device thread,
 which runs them interleaved, task by task; a reentrant checkpoint's nested
