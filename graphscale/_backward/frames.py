@@ -1,9 +1,18 @@
 """What a backward on this thread runs inside: the frames of an adapter's
 own backward call (:func:`adapter_backward`: whether factors apply, what the
 seeds carry already, the caller; DeepSpeed's ``engine.backward`` is one), and
-the :class:`Frame` of each top-level
-governed backward, with the list of what completes its
-engines' part if it raises.  Imports nothing of graphscale.
+the :class:`Frame` of each top-level governed backward, with the list of what
+completes its engines' part if it raises.  Imports nothing of graphscale.
+
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+__all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_calls", "adapter_backward_frame",
+           "adapter_backward_caller", "scaling_enabled"]
 
 # NOTE [ A backward that raised ]
 # torch runs no queued callback of a graph task that raised, and leaves in
@@ -20,21 +29,12 @@ engines' part if it raises.  Imports nothing of graphscale.
 # part begins, and if the backward raises, everything appended runs, in
 # order, before the error goes on to the caller: the DeepSpeed adapter
 # discards the aborted attempt, or makes the engine fail closed where the
-# attempt already changed its accumulation window (NOTE [ An aborted backward
-# counts for nothing ] in _adapters/deepspeed/failed.py); plain groups keep
-# what torch left in .grad, as plain PyTorch does.  What runs there should
+# attempt already changed its accumulation window; plain groups keep what
+# torch left in .grad, as plain PyTorch does.  What runs there should
 # not raise; if it does, its error is added to the original's notes and the
 # rest still run.  A binding made outside any top-level governed backward (a
 # reference pass) gets a list nobody runs.
-"""
-from __future__ import annotations
-
-import threading
-from contextlib import AbstractContextManager
-from typing import Any, Callable
-
-__all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_calls", "adapter_backward_frame",
-           "adapter_backward_caller", "scaling_enabled"]
+# (The DeepSpeed side: see NOTE [ An aborted backward counts for nothing ] in _adapters/deepspeed/failed.py.)
 
 # A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
 # has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
@@ -108,8 +108,8 @@ class Frame:
     """One top-level governed backward as its caller frames it: ``scaling``
     (False inside an :func:`adapter_backward` that turned the factors off),
     what its seeds carry already by default (``carries``), both read from the
-    innermost :func:`adapter_backward`; the list NOTE [ A backward that
-    raised ] runs (``on_failure``), and its lap clock (``laps``, or None).
+    innermost :func:`adapter_backward`; the list run if it raises
+    (``on_failure``, see NOTE [ A backward that raised ]), and its lap clock (``laps``, or None).
     (Whether compiled autograd captures it is the gate's question:
     ``gate.py``.)
 

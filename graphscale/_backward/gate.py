@@ -6,44 +6,6 @@ native front's answer is recomputed and pushed into the extension as a plain
 value (``set_front_open``).  Also the one check for torch's compiled autograd
 and the native route's self-test verdict.  Imports nothing of graphscale but
 the observation points (whose changes it follows)."""
-# NOTE [ Which route governs a backward ]
-# The native route governs every backward it can; the Python route takes
-# the rest, touching the same leaves with the same factors.  Each backward
-# the native route does not take is counted by reason
-# (graphscale.observe.declines(), graphscale.observe.routes()), so which
-# route governed it is never a guess, and the DEBUG log is written by both
-# (it changes no route).  The reasons (reason() below gives the first five;
-# the native call itself the last three):
-#   "compiled autograd"        torch's compiled autograd is on (its own
-#                              _enable, torch._dynamo.config.compiled_autograd
-#                              under torch.compile, or DeepSpeed's
-#                              compile(compiled_autograd_enabled=True)).
-#                              Compiled autograd asks every node hook for
-#                              compiled_args and lifts it into its graph as a
-#                              Python callable; a C++ hook (ScaleHook,
-#                              BindHook) has neither, and one that had them
-#                              would be a Python hook again, through a C++
-#                              interface torch changes between releases.  The
-#                              Python route's hooks are what compiled
-#                              autograd lifts (one capture, then replayed), so
-#                              it takes these backwards whole;
-#   "GRAPHSCALE_ROUTE=python"  the environment (or a test: route_override)
-#                              asked for Python, or python_only() is active
-#                              on this thread;
-#   "native walker not ready"  still building, or failed (NOTE [ No backward
-#                              waits for a compiler ] in _native/__init__.py);
-#   "inputs="                  the Python route pins inputs= leaves;
-#   "self-test failed"         NOTE [ The native route's self-test ] in
-#                              _routes/selftest.py;
-#   "call"                     roots or seeds the native call cannot read (an
-#                              edge's implicit seed, a root that needs no
-#                              grad);
-#   "seed"                     a seed it cannot make (torch raises its own
-#                              error through the Python route);
-#   "factors"                  more than 64 distinct factors (or a backward
-#                              nested in a plan the Python route made for
-#                              that many).
-# Declines cost the native route nothing: a native backward counts nothing.
 from __future__ import annotations
 
 import logging
@@ -60,6 +22,38 @@ from .._core import observation as _observation
 __all__ = ["ROUTE_ENV", "reason", "route_enabled", "set_route_enabled", "route_override", "python_only",
            "compiled_autograd_active", "running_in", "adopt_front", "front_open",
            "register_self_test", "trusted", "self_test"]
+
+# NOTE [ Which route governs a backward ]
+# The native route governs every backward it can; the Python route takes
+# the rest, touching the same leaves with the same factors.  Each backward
+# the native route does not take is counted by reason
+# (graphscale.observe.declines(), graphscale.observe.routes()), so which
+# route governed it is never a guess, and the DEBUG log is written by both
+# (it changes no route).  The reasons (reason() below gives the first five;
+# the native call itself the last three):
+#   "compiled autograd"        torch's compiled autograd is on (its own
+#                              _enable, torch.compile's config, or DeepSpeed's
+#                              compile(compiled_autograd_enabled=True)): it
+#                              lifts node hooks as Python callables
+#                              (compiled_args), which a C++ hook (ScaleHook,
+#                              BindHook) is not; the Python route's hooks it
+#                              lifts, so that route takes these whole;
+#   "GRAPHSCALE_ROUTE=python"  the environment (or a test: route_override)
+#                              asked for Python, or python_only() is active
+#                              on this thread;
+#   "native walker not ready"  still building, or failed (_native/__init__.py);
+#   "inputs="                  the Python route pins inputs= leaves;
+#   "self-test failed"         the native route failed its self-test
+#                              (_routes/selftest.py);
+#   "call"                     roots or seeds the native call cannot read (an
+#                              edge's implicit seed, a root that needs no
+#                              grad);
+#   "seed"                     a seed it cannot make (torch raises its own
+#                              error through the Python route);
+#   "factors"                  more than 64 distinct factors (or a backward
+#                              nested in a plan the Python route made for
+#                              that many).
+# Declines cost the native route nothing: a native backward counts nothing.
 
 ROUTE_ENV = "GRAPHSCALE_ROUTE"  # "python": every backward takes the Python route (CI runs tests so)
 
@@ -219,8 +213,7 @@ def running_in(module: Any) -> None:
 def adopt_front(python_entry: Callable[..., None]) -> Any:
     """The native front of the module the running state lives in, configured
     to hand what it does not take to ``python_entry`` and told this gate's
-    answer from now on (NOTE [ The native front ] in _native/front.h); or
-    None while the native route does not govern (:func:`reason` says why)."""
+    answer from now on; or None while the native route does not govern (:func:`reason` says why)."""
     native = _native
     if reason(native) is not None:
         return None
@@ -246,12 +239,13 @@ _ready: Callable[[], bool] = lambda: False  # noqa: E731 - register_self_test's:
 
 
 def register_self_test(failure: Callable[[Any], str | None], ready: Callable[[], bool]) -> None:
-    """Make ``failure`` NOTE [ The native route's self-test ]: ``failure(native)``
+    """Make ``failure`` the native route's self-test: ``failure(native)``
     runs the fixed program through both routes and returns what failed, or
     None; it runs where ``ready()`` (torch.autograd.backward is governed).
     ``_entry/entry.py`` registers them at import (``_routes/selftest.py``
     ``failure`` with the entry's ``govern``): it runs whole governed
-    backwards, so it sits above this module."""
+    backwards, so it sits above this module.  (See
+    NOTE [ The native route's self-test ] in _routes/selftest.py.)"""
     global _self_test, _ready
     with _trust_lock:
         _self_test, _ready = failure, ready
@@ -264,8 +258,8 @@ def _verdict(native: Any) -> bool:
 
 
 def trusted(native: Any) -> bool:
-    """Whether ``native`` passed NOTE [ The native route's self-test ] (run
-    once per module, here if it has not run)."""
+    """Whether ``native`` passed the native route's self-test (run once per
+    module, here if it has not run)."""
     verdict = _verdicts.get(id(native))
     if verdict is not None and verdict[0] is native:
         return verdict[1]
@@ -275,8 +269,8 @@ def trusted(native: Any) -> bool:
 
 
 def self_test(native: Any) -> bool:
-    """NOTE [ The native route's self-test ]: run it for ``native`` (once;
-    later calls return the verdict) and return whether the native route may
+    """The native route's self-test: run it for ``native`` (once; later
+    calls return the verdict) and return whether the native route may
     govern backwards."""
     global _passed
     with _trust_lock:

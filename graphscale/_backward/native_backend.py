@@ -1,12 +1,10 @@
-"""The native backend (NOTE [ One interface, two backends ] in
-``_backward/backend.py``): the extension built from ``graphscale/_native/``
+"""The native backend: the extension built from ``graphscale/_native/``
 seen through :class:`~graphscale._backward.backend.Backend`.  C++ twins:
 ``_native/walker.cpp`` (the bindings) and ``_native/python_planner.h``.
-
 Its running-state methods are the extension's own functions, taken as they
 are (no Python frame between a caller and C++); its walker methods read the
 snapshot's native owner table first.  One :class:`NativeBackend` per loaded
-module (:func:`of`).
+module (:func:`of`).  (See NOTE [ One interface, two backends ] in _backward/backend.py.)
 """
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ __all__ = ["NativeBackend", "of", "native_owners", "joined"]
 
 def native_owners(state: State, module: Any) -> Any:
     """The native ``Owners`` lookup (TensorImpl* -> group position) of
-    ``state``, built once per snapshot and kept in its tables (NOTE [
-    Per-snapshot tables ] in _core/snapshot.py): install/remove makes a new
+    ``state``, built once per snapshot and kept in its tables (see
+    NOTE [ Per-snapshot tables ] in _core/snapshot.py): install/remove makes a new
     snapshot and the table goes with it, so it keeps no group, parameter or
     module alive (tests/hardening/test_longrun.py).  Positions follow
     ``state.groups``."""
@@ -50,8 +48,8 @@ def native_owners(state: State, module: Any) -> Any:
 def joined(binding: Any) -> tuple[Any, Any, bool]:
     """(once, on_failure, reference) of ``binding``, a binding the native
     module did not make (running.py's Python one): what a native binding made
-    inside its graph task shares with it (NOTE [ Once per backward ] in
-    running.py).  Handed to the native module at configure: it reads no
+    inside its graph task shares with it (see NOTE [ Once per backward ] in
+    _backward/running.py).  Handed to the native module at configure: it reads no
     attribute of graphscale's Python by name."""
     return binding.once, binding.on_failure, bool(binding.reference)
 
@@ -74,13 +72,13 @@ class NativeBackend:
 
     def configure(self, by_task: dict[int, Any], original_backward: Callable[..., None],
                   innermost: Callable[[], Any], carries_attr: str) -> None:
-        """Keep the running state from now on (NOTE [ One running state, both
-        routes ] in _native/registry.h): the graph task -> binding map both
-        kinds of binding write, torch's own ``torch.autograd.backward``, the
+        """Keep the running state from now on: the graph task -> binding map
+        both kinds of binding write, torch's own ``torch.autograd.backward``, the
         function giving this thread's top-level on_failure list, and the
         attribute a root's carried factor is tagged with; and that backward's
-        twin for calls an override sees (NOTE [ An override sees torch's own
-        backward ] in _backward/overrides.py)."""
+        twin for calls an override sees.
+        (See NOTE [ One running state, both routes ] in _native/registry.h, and
+        NOTE [ An override sees torch's own backward ] in _backward/overrides.py.)"""
         self.module.configure(by_task, original_backward, torch.nn.Parameter, torch.nn.Module, carries_attr,
                               innermost, own(original_backward, "backward"), joined, GradientEdge)
 

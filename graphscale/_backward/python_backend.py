@@ -1,7 +1,6 @@
-"""The Python backend, the reference (NOTE [ One interface, two backends ]
-in ``_backward/backend.py``): bindings of running graph tasks (:class:`Binding`,
-the binding hook), the registry of running plans, and :class:`PythonBackend`,
-which plans with ``_planner/``.  C++ twin: ``_native/registry.h``,
+"""The Python backend, the reference: bindings of running graph tasks
+(:class:`Binding`, the binding hook), the registry of running plans, and
+:class:`PythonBackend`, which plans with ``_planner/``.  C++ twin: ``_native/registry.h``,
 ``bind.h`` and ``for_python.h``.  The graph task -> binding map,
 :data:`bindings`, is the one both backends write."""
 from __future__ import annotations
@@ -22,6 +21,11 @@ from .backend import NESTED_IN_PYTHON, Backend, Plan
 
 __all__ = ["bindings", "Binding", "PythonBackend", "PYTHON"]
 
+# See NOTE [ One interface, two backends ] in _backward/backend.py.
+# A binding's potential: see NOTE [ Fast path ] in _entry/entry.py; its once and reference:
+# see NOTE [ Once per backward ] in _backward/running.py; its on_failure: see
+# NOTE [ A backward that raised ] in _backward/frames.py.
+
 
 # graph task id -> binding, while that backward runs (both kinds of hook write it; the
 # DeepSpeed adapter's output hooks read it: task_binding() without its frame)
@@ -32,12 +36,12 @@ _py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, readi
 class Binding:
     """What a running backward's graph task is bound to, in the Python
     backend (the native one's ``Binding`` has the same fields): the
-    ``reading`` (snapshot and factors) that governs it, and (NOTE [ Fast path
-    ] in _entry/entry.py) where no plan of it exists, the ``potential``
-    everything in it carries, from which a nested backward is planned (None:
-    nested backwards are left alone); ``once``/``reference``: NOTE [ Once per
-    backward ]; ``on_failure``: NOTE [ A backward that raised ] in
-    _backward/frames.py.  Made on the thread that calls the backward: a
+    ``reading`` (snapshot and factors) that governs it, and (the fast path)
+    where no plan of it exists, the ``potential`` everything in it carries,
+    from which a nested backward is planned (None: nested backwards are left
+    alone); ``once``/``reference``: what runs once per backward, shared with
+    the backwards nested in it; ``on_failure``: what completes it if it
+    raises.  Made on the thread that calls the backward: a
     nested backward's binding joins the one of the task running there."""
 
     __slots__ = ("reading", "potential", "once", "on_failure", "reference")
@@ -123,8 +127,7 @@ class _PyRunningPlan:
 
 
 class PythonBackend:
-    """The Python backend, the reference (NOTE [ One interface, two backends
-    ] in _backward/backend.py): plans with ``_planner/plan.py``, keeps the
+    """The Python backend, the reference: plans with ``_planner/plan.py``, keeps the
     running state in this module."""
 
     name = "python"

@@ -4,15 +4,7 @@ tasks to what governs them (:func:`binding_for`, :func:`bound`,
 registry of walked plans whose backward is running (:func:`running_plan`,
 :func:`running`, :func:`enclosing_phi`), which nested backwards plan from;
 and :data:`state`, the backend the running state is kept in (the Python
-one, ``python_backend.py``, until the native one takes over) (NOTE [ One interface, two backends ] in
-``_backward/backend.py``).
-
-NOTE [ One running state, both routes ] (in ``_native/registry.h``): once
-the native module keeps the running state (:func:`use_native`) the registry,
-the bindings and the binding hook are the native ones, for both routes and
-the tools; the Python ones here serve only before that, and the Python
-binding hook also under compiled autograd (which lifts Python hooks only).
-The graph task -> binding map is one dict, ``bindings``, either way.
+one, ``python_backend.py``, until the native one takes over).
 """
 from __future__ import annotations
 
@@ -37,6 +29,14 @@ __all__ = [
     "find_enclosing",
 ]
 
+# Once the native module keeps the running state (use_native) the registry,
+# the bindings and the binding hook are the native ones, for both routes and
+# the tools; the Python ones here serve only before that, and the Python
+# binding hook also under compiled autograd (which lifts Python hooks only).
+# The graph task -> binding map is one dict, ``bindings``, either way.
+# (See NOTE [ One running state, both routes ] in _native/registry.h, and
+# NOTE [ One interface, two backends ] in _backward/backend.py.)
+
 
 # NOTE [ Which snapshot an output hook obeys ]
 # DeepSpeed's output hooks fire in the middle of a backward, long after the
@@ -51,12 +51,12 @@ __all__ = [
 # own task the same way (every task whose graph may hold an engine's output
 # hook: a plan that saw no tensor hook anywhere binds nothing).  Natively it
 # is a node of the backward's own put in front of the roots (torch is handed
-# GradientEdges to it), never a hook on a node other backwards share: NOTE [
-# Binding without touching a shared node ] in _native/bind.h; the Python
-# one (no such node in Python) replaces a root that is itself an engine's
-# output by a view of itself, whose node is new, and puts a node pre-hook on
-# the other roots.  The graph task id is what every thread
-# running the task's nodes reads, the caller's and autograd's device threads
+# GradientEdges to it), never a hook on a node other backwards share
+# (see NOTE [ Binding without touching a shared node ] in _native/bind.h); the
+# Python one (no such node in Python) replaces a root that is itself an
+# engine's output by a view of itself, whose node is new, and puts a node
+# pre-hook on the other roots.  The graph task id is what every thread running
+# the task's nodes reads, the caller's and autograd's device threads
 # (CUDA) alike, and it is the only thing the adapter's hook asks
 # (task_binding()): no thread-local, which a device thread would not see and
 # which would make a torch.autograd.grad nested in a governed backward on the
@@ -68,9 +68,10 @@ __all__ = [
 # NOTE [ Once per backward ]
 # An adapter may have work that must run once per backward for each engine
 # the backward reaches, however many of the engine's outputs it meets
-# (DeepSpeed's backward prologue: NOTE [ One lifecycle per backward ] in
-# _adapters/deepspeed/engine.py).  A top-level governed backward and every backward nested in
-# it (reentrant checkpointing) are one backward for this: the binding of a
+# (DeepSpeed's backward prologue; see
+# NOTE [ One lifecycle per backward ] in _adapters/deepspeed/engine.py).
+# A top-level governed backward and every backward nested in it (reentrant
+# checkpointing) are one backward for this: the binding of a
 # nested backward's graph task shares the set ``once`` of the binding of the
 # task it runs inside, so a key marked anywhere in it reads as marked
 # everywhere in it, on any thread.  A binding made for a reference pass
@@ -83,9 +84,9 @@ state: Backend = PYTHON  # the backend the running state is kept in: PYTHON, or 
 
 
 def use_native(module: Any) -> bool:
-    """Keep the running state in the native ``module`` from now on (NOTE [
-    One running state, both routes ]).  False (and nothing changed) while a
-    backward runs on the Python state: a later call switches."""
+    """Keep the running state in the native ``module`` from now on.  False
+    (and nothing changed) while a backward runs on the Python state: a later
+    call switches."""
     global state
     if state.module is module:
         return True
@@ -97,7 +98,7 @@ def use_native(module: Any) -> bool:
         global state
         backend.configure(bindings, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
         state = backend
-        _gate.running_in(module)  # NOTE [ The native front ]: the front of this module may open
+        _gate.running_in(module)  # the native front of this module may open
     return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
 
 
@@ -112,10 +113,10 @@ def binding_for(reading: Reading | None, hooks: bool = True, potential: float | 
     """The binding a backward governed by ``reading`` needs, or None where it
     needs none: bound when its graph may hold output hooks of objects the
     snapshot governs (``hooks``: a plan saw tensor hooks, or none looked;
-    NOTE [ Which snapshot an output hook obeys ]), or when backwards nested in
-    it must be planned from ``potential`` (NOTE [ Fast path ] in
-    _entry/entry.py; ``governor``: the snapshot's native Governor, which
-    plans them natively); ``on_failure``: its top-level backward's list."""
+    see NOTE [ Which snapshot an output hook obeys ]), or when backwards
+    nested in it must be planned from ``potential`` (``governor``: the
+    snapshot's native Governor, which plans them natively); ``on_failure``:
+    its top-level backward's list.  (See NOTE [ Fast path ] in _entry/entry.py.)"""
     if reading is None or (potential is None and not (hooks and reading.state.hook_owners)):
         return None
     return state.binding(reading, potential, on_failure, governor if potential is not None else None)

@@ -1,27 +1,9 @@
 """Observation points: what tools see of each governed backward.
 
-Three kinds, each a stack of context managers that nest and restore (like
-``torch.autograd.profiler``), never a global a tool assigns:
-
-* phase recorders, ``record(phase, seconds)``: graphscale's own time per
-  backward, by phase (:func:`laps`; public as ``graphscale.observe.phases``);
-* walk recorders, ``record(nodes, seconds, multiplications)``: every walked
-  plan, or the fast path's probe (:func:`record_walk`; public as
-  ``graphscale.observe.walks``);
-* route recorders, ``record(route, reason)``: which route governed each
-  backward, ``"native"`` or ``"python"`` with the reason the native route
-  did not take it (:func:`record_route`; public as
-  ``graphscale.observe.routes``); the Python route's backwards are also
-  counted by reason for the whole process (:func:`declines`);
-* the backward observer (``graphscale.audit``): wraps every top-level
-  governed backward, ``observer(run, *backward_args)`` calls
-  ``run(*backward_args)`` once; the innermost one applies.
-
-Every recorder active when an event happens sees it.  Which are active is
-:data:`ACTIVE`: one tuple per kind, replaced whole under a lock, so the
-governed backward reads it with attribute reads only (no call into this
-module unless something is recording); :func:`watch` tells a subscriber
-when it changes.  Imports nothing of graphscale.
+Phase, walk and route recorders and the backward observer, each a stack of
+context managers that nest and restore (like ``torch.autograd.profiler``),
+never a global a tool assigns; which are active is :data:`ACTIVE`, read by the
+governed backward with attribute reads only.  Imports nothing of graphscale.
 """
 from __future__ import annotations
 
@@ -32,6 +14,25 @@ from typing import Any, Callable
 __all__ = ["ACTIVE", "recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
            "record_walk", "record_route", "routes_recorded", "walks_recorded", "declines", "unrecorded", "quiet",
            "Laps", "watch"]
+
+# The kinds of observation point:
+# * phase recorders, ``record(phase, seconds)``: graphscale's own time per
+#   backward, by phase (laps; public as ``graphscale.observe.phases``);
+# * walk recorders, ``record(nodes, seconds, multiplications)``: every walked
+#   plan, or the fast path's probe (record_walk; public as
+#   ``graphscale.observe.walks``);
+# * route recorders, ``record(route, reason)``: which route governed each
+#   backward, ``"native"`` or ``"python"`` with the reason the native route
+#   did not take it (record_route; public as ``graphscale.observe.routes``);
+#   the Python route's backwards are also counted by reason for the whole
+#   process (declines);
+# * the backward observer (``graphscale.audit``): wraps every top-level
+#   governed backward, ``observer(run, *backward_args)`` calls
+#   ``run(*backward_args)`` once; the innermost one applies.
+# Every recorder active when an event happens sees it.  Which are active is
+# ACTIVE: one tuple per kind, replaced whole under a lock, so the governed
+# backward reads it with attribute reads only (no call into this module unless
+# something is recording); watch() tells a subscriber when it changes.
 
 PhaseRecorder = Callable[[str, float], None]
 WalkRecorder = Callable[[int, float, int], None]
@@ -120,8 +121,8 @@ def recording_walks(record: WalkRecorder) -> _Pushed:
 
 def recording_routes(record: RouteRecorder) -> _Pushed:
     """Within the block, ``record(route, reason)`` sees every governed
-    backward: ``("native", None)``, or ``("python", reason)`` (NOTE [ Which
-    route governs a backward ] in _backward/gate.py)."""
+    backward: ``("native", None)``, or ``("python", reason)``.
+    (See NOTE [ Which route governs a backward ] in _backward/gate.py.)"""
     return _Pushed("routes", record)
 
 

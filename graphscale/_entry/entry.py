@@ -1,92 +1,10 @@
 """The governed backward's entry: what runs in place of ``torch.autograd.backward``.
 
-``Tensor.backward`` and DeepSpeed's ``engine.backward`` both end in
-``torch.autograd.backward``, so while graphscale is installed that function is
-replaced by :func:`governed_backward` (:func:`patch`).  It reads the call, the
-caller's frame and the factors, and hands them to one route: the native one
-(``_routes/native.py``: one C++ call) where it takes the backward, else the Python
-route (``_routes/python.py``), the reference.  Data crosses each line: the call
-(:class:`~graphscale._backward.call.BackwardCall`), the frame
-(:class:`~graphscale._backward.frames.Frame`), the reading
-(:class:`~graphscale._core.snapshot.Reading`); nothing calls back up.
-
-# NOTE [ Follow one backward ]
-# A top-level backward on the native route (the usual one) enters each module
-# once, in this order, before torch's own backward runs:
-#   entry.governed_backward         the patched torch.autograd.backward
-#   call.BackwardCall.of            the call, read once
-#   frames.Frame                    scale_wrt_gas, what the seeds carry, what
-#                                   completes it if it raises
-#   _core/snapshot.State.read       the factors, one per group, through
-#   _core/group.read_pins           each group's Group.pin: its gas or factor
-#                                   (and loss scale)
-#   route.govern_natively           asks the gate, then makes one native
-#   gate.reason                     call; the gate: may the native route
-#                                   take it (NOTE [ Which route governs a
-#                                   backward ] in gate.py)?  Then top (the
-#                                   governor) (_native/govern.h): decide,
-#                                   walk, plan, seeds, hooks, bind, register,
-#                                   then
-#   torch's engine                  straight, where the call is plain (NOTE
-#                                   [ Straight to the engine ] in
-#                                   _native/engine.h), else through
-#                                   torch.autograd.backward as torch defined it.
-# A nested backward (a reentrant checkpoint's recompute), once the native
-# route governs: the native front, torch.autograd.backward itself, ->
-# govern_nested (_native/govern.h) -> torch, with no Python frame of
-# graphscale's (NOTE [ The native front ] in _native/front.h).  A top-level
-# call goes from the front to governed_backward (the path above), and so
-# does a nested call the front hands on (an observer is active, the route is
-# off, inputs=): entry.governed_backward -> call.BackwardCall.of ->
-# route.govern_nested_natively (which asks gate.reason) -> govern_nested ->
-# torch.
-# Where the native route declines (counted: NOTE [ Which route governs a
-# backward ] in _backward/gate.py), route.govern_natively hands back and the Python
-# route runs from the reading on: python_route.govern_in_python -> decide
-# (probe or plan) -> hooks -> running (register, bind) ->
-# call.BackwardCall.run -> torch.
-# tests/native/test_backward_path.py traces these paths and pins them, each module
-# with the function named here.
-#
-# NOTE [ Fast path ]
-# When every installed group has the same factor f, every owned leaf is right
-# with potential f everywhere: multiply the seeds by f, and plan nothing.
-# That is exact when the leaves the policy protects (NOTE [ Unowned leaves ]
-# in _core/snapshot.py) are not reached, and it must not happen at all when no owned
-# leaf is reached (that backward is left alone).  So a probe walks first,
-# only until it knows (decide.probe): under "any" to the first owned leaf,
-# a few nodes away in a real model; under "plain_params" the whole graph
-# unless an owned leaf and an unowned Parameter turn up (then it plans);
-# under "plain" until an owned and an unowned leaf are both seen.  f == 1
-# touches nothing at all, without a probe.
-# A custom-Function node may run a nested backward over leaves no walk can
-# see (reentrant checkpointing; ZeRO-3 makes every Linear one).  Such a
-# backward still takes the fast path (or is left alone, when no owned leaf
-# is visible), and binds its graph task to the potential everything in it
-# carries (f, or 1): a backward nested in it finds no plan and is planned
-# from that potential (decide.plan_nested), so hidden owned leaves get
-# their factor and hidden unowned Parameters their plain gradient.  Under
-# "any" nested backwards of a fast-path backward need no plan (everything
-# carries f, which any leaf may take).
-#
-# NOTE [ Nested backward ]
-# Reentrant activation checkpointing (torch's and DeepSpeed's) calls
-# torch.autograd.backward from inside a node's backward, on a graph recomputed
-# there, which the outer walk could not see.  torch._C._current_autograd_node()
-# names that node; the outer plan gave it a potential p, so the gradients it
-# received carry p.  The inner backward is planned with base p (its seeds are
-# assumed to be, or be linear in, the gradients the node received, as
-# checkpointing does), owned leaves pinned to their group's factor as read by
-# the *outer* backward, and unowned leaves that are not nn.Parameters (the
-# detached inputs through which checkpointing returns gradients to the outer
-# graph) pinned to p, so the node hands back gradients at p as the outer plan
-# expects.  The outer plan is found through a process-wide registry keyed by
-# node (NOTE [ One running state, both routes ] in _native/registry.h), not
-# through thread-local state: CUDA backward runs nodes on autograd worker
-# threads.  Inside a backward that was not planned (the fast path, or left
-# alone), a nested backward is planned from the potential its graph task is
-# bound to (NOTE [ Fast path ]), or runs untouched where nothing is bound
-# (everything carries the one factor under "any"; an ungoverned backward).
+While graphscale is installed, :func:`patch` makes :func:`governed_backward`
+that function (``Tensor.backward`` and DeepSpeed's ``engine.backward`` both end
+in it).  It reads the call, the caller's frame and the factors once, and hands
+them to one route: the native one (``_routes/native.py``) where it takes the
+backward, else the Python reference (``_routes/python.py``).
 """
 from __future__ import annotations
 
@@ -107,6 +25,62 @@ from .._routes import selftest as _selftest
 
 __all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
 
+# NOTE [ Follow one backward ]
+# A top-level backward on the native route (the usual one) enters each module
+# once, in this order, before torch's own backward runs; data crosses each
+# line (the call, the frame, the reading), nothing calls back up:
+#   entry.governed_backward         the patched torch.autograd.backward
+#   call.BackwardCall.of            the call, read once
+#   frames.Frame                    scale_wrt_gas, the seeds, what completes it if it raises
+#   _core/snapshot.State.read       the factors, one per group, through
+#   _core/group.read_pins           each group's pin: its gas or factor (and loss scale)
+#   route.govern_natively           asks the gate, then makes one native call:
+#   gate.reason                     may the native route take it?  Then govern.h
+#   torch's engine                  straight where the call is plain, else torch's backward.
+# Nested backwards, and the Python route where the native one declines:
+# tests/native/test_backward_path.py pins these paths, each module with the
+# function named here.  Full record: docs/development.md, 'Follow one backward'.
+
+# NOTE [ Fast path ]
+# When every installed group has the same factor f, every owned leaf is right
+# with potential f everywhere: multiply the seeds by f, and plan nothing.
+# That is exact when the leaves the policy protects (unowned leaves, see
+# _core/snapshot.py) are not reached, and it must not happen at all when no
+# owned leaf is reached (that backward is left alone).  So a probe walks
+# first, only until it knows (decide.probe): under "any" to the first owned
+# leaf, a few nodes away in a real model; under "plain_params" the whole graph
+# unless an owned leaf and an unowned Parameter turn up (then it plans); under
+# "plain" until an owned and an unowned leaf are both seen.  f == 1 touches
+# nothing at all, without a probe.
+# A custom-Function node may run a nested backward over leaves no walk can
+# see (reentrant checkpointing; ZeRO-3 makes every Linear one).  Such a
+# backward still takes the fast path (or is left alone, when no owned leaf is
+# visible), and binds its graph task to the potential everything in it
+# carries (f, or 1): a backward nested in it finds no plan and is planned from
+# that potential (decide.plan_nested), so hidden owned leaves get their factor
+# and hidden unowned Parameters their plain gradient.  Under "any" nested
+# backwards of a fast-path backward need no plan (everything carries f, which
+# any leaf may take).
+
+# NOTE [ Nested backward ]
+# Reentrant activation checkpointing (torch's and DeepSpeed's) calls
+# torch.autograd.backward from inside a node's backward, on a graph recomputed
+# there, which the outer walk could not see.  torch._C._current_autograd_node()
+# names that node; the outer plan gave it a potential p, so the gradients it
+# received carry p.  The inner backward is planned with base p (its seeds are
+# assumed to be, or be linear in, the gradients the node received, as
+# checkpointing does), owned leaves pinned to their group's factor as read by
+# the *outer* backward, and unowned leaves that are not nn.Parameters (the
+# detached inputs through which checkpointing returns gradients to the outer
+# graph) pinned to p, so the node hands back gradients at p as the outer plan
+# expects.  The outer plan is found through a process-wide registry keyed by
+# node (the running state, _native/registry.h), not through thread-local
+# state: CUDA backward runs nodes on autograd worker threads.  Inside a
+# backward that was not planned (the fast path, or left alone), a nested
+# backward is planned from the potential its graph task is bound to (see the
+# fast path above), or runs untouched where nothing is bound (everything
+# carries the one factor under "any"; an ungoverned backward).
+
 
 # ---------------------------------------------------------------- the patch
 # NOTE [ The patch outlives remove() until the backward ends ]
@@ -121,10 +95,10 @@ __all__ = ["governed_backward", "patch", "patched", "when_unpatched", "govern"]
 # patch (when_unpatched: DeepSpeed's hook-manager descriptors), so that a
 # process where graphscale was installed and removed runs as one where it
 # never was.
-# NOTE [ The native front ] (_native/front.h): once the native route governs,
-# torch.autograd.backward is the native module's front, a C function that
-# governs reentrant checkpoints' nested backwards itself and hands every
-# other call to governed_backward; patched() knows both.
+# Once the native route governs, torch.autograd.backward is the native
+# module's front, a C function that governs reentrant checkpoints' nested
+# backwards itself and hands every other call to governed_backward; patched()
+# knows both.  (See NOTE [ The native front ] in _native/front.h.)
 _patch_lock = threading.Lock()
 _front: Any = None  # the native front, once adopted (_adopt_front)
 _front_tried = False  # adoption was tried (once, after the first backward the native route governed)
@@ -155,7 +129,7 @@ def patched() -> bool:
 
 def _adopt_front() -> None:
     """Make the native front torch.autograd.backward from now on, where the
-    native route governs (NOTE [ The native front ] in _native/front.h).
+    native route governs.
     Tried once, after the first backward the native route governed."""
     global _front, _front_tried
     with _patch_lock:
@@ -201,7 +175,7 @@ def governed_backward(
 ) -> None:
     """``torch.autograd.backward`` with every owned leaf scaled by its group's
     factor (torch's own six parameters: the one function here that takes more
-    than five).  NOTE [ Follow one backward ]."""
+    than five).  (See NOTE [ Follow one backward ].)"""
     current_node = torch._C._current_autograd_node()
     call = BackwardCall.of(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
     if current_node is not None:  # NOTE [ Nested backward ]: obeys the backward it runs inside
@@ -246,7 +220,7 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
             reading = state.read(frame.scaling)  # may raise: nothing touched yet
             if _route.govern_natively(call, reading, frame, native):
                 if not _front_tried and native is None:
-                    _adopt_front()  # NOTE [ The native front ] in _native/front.h
+                    _adopt_front()
                 return None  # NOTE [ One native call per backward ] in _native/registry.h
             return _python_route.govern_in_python(call, reading, frame)
         except BaseException as exc:
@@ -264,6 +238,7 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
             _left_last()
 
 
-# NOTE [ The native route's self-test ] runs whole governed backwards through govern.
+# The self-test runs whole governed backwards through govern.
+# (See NOTE [ The native route's self-test ] in _routes/selftest.py.)
 _gate.register_self_test(lambda native: _selftest.failure(native, govern),
                          lambda: torch.autograd.backward is not ORIGINAL_BACKWARD)

@@ -29,8 +29,7 @@
 // retain_graph None means create_graph, as torch says.  Any other call (a
 // subclass root, a shape mismatch, inputs=, a wrapped original ...) goes
 // through the original, which raises torch's own errors.  The roots handed
-// to torch may be edges to the binding node (NOTE [ Binding without
-// touching a shared node ]); the seeds are checked against the caller's
+// to torch may be edges to the binding node (bind.h); the seeds are checked against the caller's
 // roots, whose metadata that node copies.  tests/native/test_engine_call.py pins
 // both sides.
 struct Straight {
@@ -73,8 +72,8 @@ static Straight& straight_state() {
 
 // The seeds torch would hand its engine for `roots` and `seeds` (a
 // sequence of None or tensors, one per root), made as _make_grads makes
-// them; false where the call is not the plain case of NOTE [ Straight to the
-// engine ] (nothing made).
+// them; false where the call is not the plain case (nothing made).
+// (See NOTE [ Straight to the engine ].)
 static bool plain_seeds(const py::tuple& roots, py::handle seeds, py::tuple* out) {
   const Py_ssize_t n = static_cast<Py_ssize_t>(roots.size());
   if (PySequence_Size(seeds.ptr()) != n) {
@@ -126,8 +125,8 @@ static bool overridable(py::handle roots) {
 
 // torch.autograd.backward as torch defined it, called positionally (tensors,
 // grad_tensors, retain_graph, create_graph, grad_variables=None, inputs);
-// its twin where an override may see the call (NOTE [ An override sees
-// torch's own backward ] in graphscale/_backward/overrides.py).
+// its twin where an override may see the call.
+// (See NOTE [ An override sees torch's own backward ] in graphscale/_backward/overrides.py.)
 static void call_original(py::handle roots, py::handle seeds, py::handle retain, py::handle create,
                           py::handle inputs) {
   PyObject* args[6] = {roots.ptr(), seeds.ptr(), retain.ptr(), create.ptr(), Py_None, inputs.ptr()};

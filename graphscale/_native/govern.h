@@ -286,9 +286,9 @@ static Request nested_request(const Enclosing& e, py::object* gov_obj) {
   return req;
 }
 
-// A backward called from inside `current`'s backward (NOTE [ Nested
-// backward ] in graphscale/_entry/entry.py; plan_nested then the Python
-// route's plan step, natively).
+// A backward called from inside `current`'s backward (plan_nested then the
+// Python route's plan step, natively).
+// (See NOTE [ Nested backward ] in graphscale/_entry/entry.py.)
 static py::object govern_nested(Node* current, const py::tuple& roots, const py::list& grads, const py::tuple& flags,
                                 bool want_stats) {
   if (registry == nullptr) return declined("native walker not ready");

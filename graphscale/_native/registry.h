@@ -13,26 +13,24 @@
 // graphscale/_entry/entry.py reads the call and the factors (Python: GAS
 // may be a callable, an engine's attribute) and graphscale/_routes/native.py
 // hands the rest to one call here: top(governor, ...) for a top-level backward,
-// govern_nested for one called from inside a node's backward (NOTE [ Nested
-// backward ] in graphscale/_entry/entry.py; once the native route
-// governs, torch.autograd.backward is this module's front, which calls
-// govern_nested itself: NOTE [ The native front ] in front.h).  That call decides (left
+// govern_nested for one called from inside a node's backward (once the native
+// route governs, torch.autograd.backward is this module's front, front.h, which
+// calls govern_nested itself).  That call decides (left
 // alone, the fast path, a plan: graphscale/_backward/decide.py decide),
 // walks and plans, scales the seeds, puts each edge multiplier on its node as
 // a C++ FunctionPostHook (ScaleHook: no Python when it fires), binds the
 // graph task (BindNode, a node of its own in front of the roots, so before
-// any output hook: NOTE [ Which snapshot an output hook obeys ] in
-// graphscale/_backward/running.py; NOTE [ Binding without touching a shared
-// node ]), registers the plan for nested backwards,
+// any output hook; bind.h), registers the plan for nested backwards,
 // calls the original torch.autograd.backward, and takes every hook, binding
 // and registration back in a destructor (Undo), on every exit.  It declines
 // (returns the reason as a short str, having touched nothing) what the
 // Python route handles: a call it cannot read ("call"), a seed it cannot
 // make ("seed"), more than 64 factors ("factors").  Python declines before
-// the call what the native hooks cannot do (inputs=, compiled autograd: NOTE
-// [ Which route governs a backward ] in graphscale/_backward/gate.py).  Same
-// decisions, same plans, same seeds as the Python route
-// (tests/native/test_route.py runs the suite's graphs through both).
+// the call what the native hooks cannot do (inputs=, compiled autograd: the
+// gate, graphscale/_backward/gate.py).  Same decisions, same plans, same seeds
+// as the Python route (tests/native/test_route.py runs the suite's graphs
+// through both).
+// (See NOTE [ Nested backward ] in graphscale/_entry/entry.py.)
 //
 // NOTE [ One running state, both routes ]
 // What is running is kept once, here, for both routes while this module is
@@ -49,7 +47,7 @@
 // both kinds of hook write, so output hooks read one map either way.
 // Nothing here reads an attribute of graphscale's Python by name: what it
 // needs is handed over as values (configure; top's arguments) or read from
-// its own C++ structs (the gate: NOTE [ The native front ] in front.h).
+// its own C++ structs (the gate's flag; see NOTE [ The native front ] in front.h).
 
 // Process-wide Python objects the route needs (native.configure, once;
 // graphscale/_backward/native_backend.py NativeBackend.configure hands them over).
@@ -59,16 +57,16 @@ struct Registry {
   py::object param_type;   // torch.nn.Parameter
   py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
   py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
-  py::object original_own; // its twin for calls an override sees (NOTE [ An override sees torch's own
-                           // backward ] in graphscale/_backward/overrides.py)
+  py::object original_own; // its twin for calls an override sees
+                           // (see NOTE [ An override sees torch's own backward ] in graphscale/_backward/overrides.py)
   py::object joined;       // graphscale._backward.native_backend.joined: (once, on_failure, reference) of
                            // a binding that is not this module's (running.py's Python Binding)
   py::object edge_type;    // torch.autograd.graph.GradientEdge
 };
 
 // A decline: the reason (a short str) the Python route takes the backward
-// for, having touched nothing (graphscale/_routes/native.py counts it: NOTE [ Which
-// route governs a backward ] in graphscale/_backward/gate.py).
+// for, having touched nothing (graphscale/_routes/native.py counts it).
+// (See NOTE [ Which route governs a backward ] in graphscale/_backward/gate.py.)
 static py::object declined(const char* why) { return py::str(why); }
 static Registry* registry = nullptr;  // leaked on purpose: outlives the interpreter's teardown order
 
@@ -119,15 +117,15 @@ struct Governor {
   }
 };
 
-// A running graph task's binding (NOTE [ Which snapshot an output hook
-// obeys ] in graphscale/_backward/running.py; NOTE [ One running state, both
-// routes ]): the Reading that governs the task; where no plan of it exists,
-// the potential everything in it carries (None: nested backwards are left
-// alone; NOTE [ Fast path ] in graphscale/_entry/entry.py), with the
-// snapshot's Governor and the factors to plan them natively; `once` and
-// `on_failure` shared with the binding of the task it runs inside (NOTE [
-// Once per backward ] in running.py, NOTE [ A backward that raised ] in
-// graphscale/_backward/frames.py); `reference`: a reference pass (audit).
+// A running graph task's binding: the Reading that governs the task; where no
+// plan of it exists, the potential everything in it carries (None: nested
+// backwards are left alone), with the snapshot's Governor and the factors to
+// plan them natively; `once` and `on_failure` shared with the binding of the
+// task it runs inside; `reference`: a reference pass (audit).
+// (See NOTE [ Which snapshot an output hook obeys ] in graphscale/_backward/running.py;
+// NOTE [ Fast path ] in graphscale/_entry/entry.py;
+// NOTE [ Once per backward ] in graphscale/_backward/running.py;
+// NOTE [ A backward that raised ] in graphscale/_backward/frames.py.)
 struct Binding {
   py::object reading;
   py::object potential = py::none();

@@ -1,16 +1,10 @@
 """The native route: a governed backward in one call into the native module.
 
-NOTE [ One native call per backward ] in ``_native/registry.h`` says what
-that call does.  Python keeps what only Python can read (the call's
-arguments, every group's factor, what the seeds carry) and the observation
-points; the rest — decide, walk, plan, scale the seeds, hook, bind, register
-for nested backwards, run the original, take it all back — is native.
-Whether it takes a backward is the gate's decision (``gate.py``: NOTE [
-Which route governs a backward ] there); the Python route
-(``_routes/python.py``) stays the exact reference:
-``GRAPHSCALE_ROUTE=python`` in the environment (or ``gate.set_route_enabled``)
-runs every backward through it, with the native walker's plans;
-``GRAPHSCALE_WALKER=python`` with the Python walker's too.
+Python keeps what only Python can read (the call's arguments, every group's
+factor, what the seeds carry) and the observation points; the rest (decide,
+walk, plan, seeds, hooks, bind, register, run, take it all back) is native.
+Whether it takes a backward is the gate's decision (``_backward/gate.py``);
+the Python route (``_routes/python.py``) stays the exact reference.
 """
 from __future__ import annotations
 
@@ -36,6 +30,12 @@ _log = logging.getLogger("graphscale")
 
 _PHASES = ("walk+plan", "seeds", "hooks on", "bind", "hook calls", "hooks off")
 
+# What the one native call does: see NOTE [ One native call per backward ] in _native/registry.h;
+# which route takes a backward: see NOTE [ Which route governs a backward ] in _backward/gate.py;
+# where the running state is kept: see NOTE [ One running state, both routes ] in _native/registry.h.
+# GRAPHSCALE_ROUTE=python in the environment (or gate.set_route_enabled) runs every backward through
+# the Python route, with the native walker's plans; GRAPHSCALE_WALKER=python with the Python walker's too.
+
 
 def declined(reason: str) -> None:
     """Count one backward the Python route takes for ``reason``."""
@@ -43,10 +43,9 @@ def declined(reason: str) -> None:
 
 
 def governor(native: Any, state: State) -> Any:
-    """The native ``Governor`` of ``state``, made once per snapshot (NOTE [
-    Per-snapshot tables ] in _core/snapshot.py), or None while the running
-    state cannot move to ``native`` yet (NOTE [ One running state, both
-    routes ] in _native/registry.h: a backward runs on the Python one)."""
+    """The native ``Governor`` of ``state``, made once per snapshot, or None
+    while the running state cannot move to ``native`` yet (a backward runs on
+    the Python one).  (See NOTE [ Per-snapshot tables ] in _core/snapshot.py.)"""
     made = state.tables.native_governor
     if made is not None and made[0] is native and _running.state.module is native:
         return made[1]
@@ -123,7 +122,7 @@ def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: 
     made = state.tables.native_governor
     if native is None:
         native = made[0] if made is not None else _native.load()
-    debug = _log.isEnabledFor(logging.DEBUG)  # (the gate's input too: NOTE [ The native front ] in _native/front.h)
+    debug = _log.isEnabledFor(logging.DEBUG)  # (the gate's input too)
     why = _gate.reason(native, call.inputs, debug)
     if why is None and made is not None and made[0] is native and _running.state.module is native:
         # governor()'s first line, inline (a copy kept for speed): a Python call fewer on every backward
@@ -143,11 +142,11 @@ def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: 
 
 def govern_nested_natively(call: BackwardCall, current_node: Any) -> bool:
     """Govern ``call``, a backward called from inside ``current_node``'s
-    backward (NOTE [ Nested backward ] in entry.py) that the native front
+    backward (see NOTE [ Nested backward ] in _entry/entry.py) that the native front
     handed on (or made before the front was adopted), in one native call.
     False: not taken (nothing touched; the decline counted); the Python route
     takes it."""
-    native = _running.state.module  # the module the running state is in (NOTE [ One running state, both routes ])
+    native = _running.state.module  # the module the running state is in
     why = _gate.reason(native, call.inputs or call.grad_variables is not None)  # (grad_variables: Python's too)
     if why is None and call.roots is None:
         why = "call"  # malformed: torch raises its own error through the Python route

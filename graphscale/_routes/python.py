@@ -1,14 +1,10 @@
 """The Python route: the governed backward in Python, the reference the
 native route must match, and the route of every backward the native one
-declines (NOTE [ Which route governs a backward ] in ``_backward/gate.py``).
-C++ twins: ``_native/govern.h`` (the backward), ``_native/hooks.h`` (the hooks).
-
-From the reading on it decides (``decide.py``: left alone, the fast path,
-or a plan), scales the seeds, puts each edge multiplier on its node as a
-Python post-hook (``hooks.py``: the one hook compiled autograd can lift),
-registers the plan for nested backwards and binds the graph task
-(``running.py``), and runs the original (``call.py``), removing every hook in
-a ``finally``.  One backward is one value here, a :class:`_Backward`.
+declines.  C++ twins: ``_native/govern.h`` (the backward), ``_native/hooks.h``
+(the hooks).  From the reading on it decides (left alone, the fast path, or a
+plan), scales the seeds, hooks each edge multiplier as a Python post-hook,
+registers and binds (``running.py``), runs the original and removes every hook
+in a ``finally``.  One backward is one value here, a :class:`_Backward`.
 """
 from __future__ import annotations
 
@@ -37,6 +33,8 @@ from .hooks import post_hook
 __all__ = ["govern_in_python", "govern_nested_in_python", "scaled_seeds", "carries"]
 
 _log = logging.getLogger("graphscale")
+
+# Which backwards come here: see NOTE [ Which route governs a backward ] in _backward/gate.py.
 
 
 def scaled_seeds(roots: Sequence[Any], grads: Sequence[Any], mults: Sequence[float]) -> list[Any] | None:
@@ -134,9 +132,9 @@ def govern_in_python(call: BackwardCall, reading: Reading, frame: Frame) -> None
 
 
 def _run_fast_path(b: _Backward, f: float, nested: float | None) -> None:
-    """NOTE [ Fast path ] in entry.py: every seed times ``f``, nothing
-    planned; ``nested``: the potential backwards nested in it are planned
-    from, or None."""
+    """The fast path: every seed times ``f``, nothing planned; ``nested``: the
+    potential backwards nested in it are planned from, or None.
+    (See NOTE [ Fast path ] in _entry/entry.py.)"""
     call = b.call
     assert call.roots is not None and call.grads is not None
     mults = [f / c for c in b.carries]
@@ -158,8 +156,8 @@ def _run_fast_path(b: _Backward, f: float, nested: float | None) -> None:
 
 
 def govern_nested_in_python(call: BackwardCall, current_node: Any) -> None:
-    """A backward called from inside ``current_node``'s backward (NOTE [
-    Nested backward ] in entry.py) that the native route did not take."""
+    """A backward called from inside ``current_node``'s backward that the
+    native route did not take.  (See NOTE [ Nested backward ] in _entry/entry.py.)"""
     if call.roots is None:
         return call.run(None)
     laps = _observation.laps(nested=True) if _observation.ACTIVE.phases else None

@@ -1,8 +1,8 @@
 """The native route's self-test: a tiny fixed program through both routes
-and plain PyTorch, before the native route governs anything (NOTE [ The
-native route's self-test ] below).  It runs whole governed backwards, so the
-entry hands it the function that governs one (``govern``); the entry
-registers it with the native route (``gate.register_self_test``)."""
+and plain PyTorch, before the native route governs anything.  It runs whole
+governed backwards, so the entry hands it the function that governs one
+(``govern``); the entry registers it with the native route
+(``gate.register_self_test``)."""
 # NOTE [ The native route's self-test ]
 # The native route is a second implementation of the governed backward, built
 # against whichever torch the user runs.  Before it governs anything (at
@@ -20,7 +20,7 @@ registers it with the native route (``gate.register_self_test``)."""
 # of a given seed imports sympy on first use (~0.6 s, torch's own).  The
 # Python route's half also runs alone at the first install() of every
 # process, native walker or not; where it fails, install() is refused
-# (_selftest.require_python_route, NOTE [ Newer releases ] in _core/releases.py).
+# (_selftest.require_python_route; see NOTE [ Newer releases ] in _core/releases.py).
 from __future__ import annotations
 
 import threading

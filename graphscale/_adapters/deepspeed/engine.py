@@ -5,61 +5,6 @@ DeepSpeed's hook-manager class) and its ``backward``/``scale``/prologue/epilogue
 reads ``sys.modules``, never imports deepspeed.  Beside it: the diagnosis'
 watch of an engine it does not govern (``watch.py``) and what changes under
 compiled autograd (``compiled.py``).
-
-# NOTE [ DeepSpeed's two generations ]
-# DeepSpeed divides by GAS in one of two places, by version:
-#   <= 0.19.5: engine.forward registers, through an OutputBackwardHookManager,
-#     a hook on every output tensor that calls
-#     engine._backward_prologue_per_tensor(grad) -> grad / GAS (unless the
-#     last engine.backward said scale_wrt_gas=False, a flag that sticks).
-#   >= 0.19.6 (PR 8245): engine.backward(loss) divides the loss by GAS and
-#     registers the running graph task, so that every engine's output hook
-#     skips its division; a direct loss.backward() keeps the hook division.
-# For each installed engine graphscale switches off both:
-#   * the output hooks: every hook manager reads its per-tensor function
-#     (the engine's bound _backward_prologue_per_tensor, taken at forward) at
-#     hook time from its instance attribute preprocess_per_tensor_fn.  Once an
-#     engine is installed, a data descriptor of that name sits on DeepSpeed's
-#     OutputBackwardHookManager class (data descriptors come before instance
-#     attributes): inside a backward whose snapshot governs the engine (NOTE [ Which snapshot
-#     an output hook obeys ] in _backward/running.py) that engine's hook reads it as None, so
-#     DeepSpeed's hook passes the gradient on without calling it; everywhere else it reads
-#     DeepSpeed's function.  Managers made before install, while installed and after are all
-#     covered, with no search of the heap (install costs the same in a process of any size); an
-#     output made while installed and backpropagated after remove(), or in an ungoverned
-#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was governed when it
-#     started stays governed if remove() runs inside it.  The descriptors come off with
-#     graphscale's patch of torch.autograd.backward (hooks.py redirect_off);
-#   * the loss division: engine.backward is shadowed by a function that calls
-#     DeepSpeed's with scale_wrt_gas=False inside adapter_backward(...) (_backward/frames.py),
-#     and returns loss / GAS (or loss) as DeepSpeed does.
-# Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
-# reduction hooks, timers) runs untouched, once per backward (NOTE [ One
-# lifecycle per backward ]).
-#
-# NOTE [ One lifecycle per backward ]
-# Each engine.forward registers its own output-hook manager, and each manager
-# runs the engine's backward prologue (timers, ZeRO's enter_backward, the
-# queued post-backward epilogue) the first time one of its hooks fires
-# (its preprocess_done flag, reset by the next forward).  So one backward over
-# two forwards of one engine ran the prologue twice: ZeRO's backward depth
-# ended at 2, and since PR 8245's lifecycle work the direct-backward epilogue
-# refuses to run at a depth above 1 (it takes it for an interrupted
-# engine.backward): the gradients were never reduced and step() raised
-# (KeyError in averaged_gradients).  And a second backward over a retained
-# graph ran no prologue at all.  Under graphscale each manager's
-# preprocess_done reads, inside a backward that governs its engine, whether
-# that engine's prologue ran in this backward (NOTE [ Once per backward ] in
-# _backward/running.py: the backwards nested in it count as the same one), so the
-# engine's prologue runs once, before any of its output gradients, and its
-# epilogue once at the end: the queued callback of a direct backward (at
-# depth 1 now), or engine.backward's own.  Outside governed backwards the
-# flag is the manager's own, as DeepSpeed keeps it.  A governed backward that
-# raised after an engine's prologue left that prologue's depth behind; the
-# engine's next governed prologue takes it back first (the epilogue that
-# would have is what the adapter watches), so the next backward reduces, as
-# it does after an interrupted engine.backward.  A reference pass (audit)
-# runs no prologue at all.
 """
 from __future__ import annotations
 
@@ -81,6 +26,60 @@ from .reads import is_zero_optimizer, scale_reader, scale_source
 
 __all__ = ["attach", "after_epilogue"]
 
+# NOTE [ DeepSpeed's two generations ]
+# DeepSpeed divides by GAS in one of two places, by version:
+#   <= 0.19.5: engine.forward registers, through an OutputBackwardHookManager,
+#     a hook on every output tensor that calls
+#     engine._backward_prologue_per_tensor(grad) -> grad / GAS (unless the
+#     last engine.backward said scale_wrt_gas=False, a flag that sticks).
+#   >= 0.19.6 (PR 8245): engine.backward(loss) divides the loss by GAS and
+#     registers the running graph task, so that every engine's output hook
+#     skips its division; a direct loss.backward() keeps the hook division.
+# For each installed engine graphscale switches off both:
+#   * the output hooks: every hook manager reads its per-tensor function
+#     (the engine's bound _backward_prologue_per_tensor, taken at forward) at
+#     hook time from its instance attribute preprocess_per_tensor_fn.  Once an
+#     engine is installed, a data descriptor of that name sits on DeepSpeed's
+#     OutputBackwardHookManager class (data descriptors come before instance
+#     attributes): inside a backward whose snapshot governs the engine, that engine's hook
+#     reads it as None (see NOTE [ Which snapshot an output hook obeys ] in _backward/running.py), so
+#     DeepSpeed's hook passes the gradient on without calling it; everywhere else it reads
+#     DeepSpeed's function.  Managers made before install, while installed and after are all
+#     covered, with no search of the heap (install costs the same in a process of any size); an
+#     output made while installed and backpropagated after remove(), or in an ungoverned
+#     torch.autograd.grad, gets DeepSpeed's own division; a backward that was governed when it
+#     started stays governed if remove() runs inside it.  The descriptors come off with
+#     graphscale's patch of torch.autograd.backward (hooks.py redirect_off);
+#   * the loss division: engine.backward is shadowed by a function that calls
+#     DeepSpeed's with scale_wrt_gas=False inside adapter_backward(...) (_backward/frames.py),
+#     and returns loss / GAS (or loss) as DeepSpeed does.
+# Everything else DeepSpeed does in backward (ZeRO prologue and epilogue,
+# reduction hooks, timers) runs untouched, once per backward (the next NOTE).
+
+# NOTE [ One lifecycle per backward ]
+# Each engine.forward registers its own output-hook manager, and each manager
+# runs the engine's backward prologue (timers, ZeRO's enter_backward, the
+# queued post-backward epilogue) the first time one of its hooks fires
+# (its preprocess_done flag, reset by the next forward).  So one backward over
+# two forwards of one engine ran the prologue twice: ZeRO's backward depth
+# ended at 2, and since PR 8245's lifecycle work the direct-backward epilogue
+# refuses to run at a depth above 1 (it takes it for an interrupted
+# engine.backward): the gradients were never reduced and step() raised
+# (KeyError in averaged_gradients).  And a second backward over a retained
+# graph ran no prologue at all.  Under graphscale each manager's
+# preprocess_done reads, inside a backward that governs its engine, whether
+# that engine's prologue ran in this backward (the backwards nested in it
+# count as the same one: see NOTE [ Once per backward ] in _backward/running.py), so the
+# engine's prologue runs once, before any of its output gradients, and its
+# epilogue once at the end: the queued callback of a direct backward (at
+# depth 1 now), or engine.backward's own.  Outside governed backwards the
+# flag is the manager's own, as DeepSpeed keeps it.  A governed backward that
+# raised after an engine's prologue left that prologue's depth behind; the
+# engine's next governed prologue takes it back first (the epilogue that
+# would have is what the adapter watches), so the next backward reduces, as
+# it does after an interrupted engine.backward.  A reference pass (audit)
+# runs no prologue at all.
+
 
 def _refuse_replaced(engine: Any) -> None:
     """Raise where what an adapter shadows on the engine instance is there already."""
@@ -93,14 +92,14 @@ def _refuse_replaced(engine: Any) -> None:
 
 def _scale(adapter: Any, deepspeeds_scale: Callable[[Any], Any], read_scale: Callable[[], float]) -> Any:
     """The engine's ``scale`` while attached: DeepSpeed's, the loss it
-    returns marked with what it carries while the adapter is active (NOTE [
-    fp16 engines ])."""
+    returns marked with what it carries while the adapter is active.
+    (See NOTE [ fp16 engines ] in _adapters/deepspeed/__init__.py.)"""
 
     def scale(loss: torch.Tensor) -> Any:
         carries = read_scale()
         scaled = deepspeeds_scale(loss)
         if adapter.active and carries != 1.0 and scaled is not loss:
-            setattr(scaled, CARRIES_ATTR, carries)  # NOTE [ fp16 engines ]
+            setattr(scaled, CARRIES_ATTR, carries)
         return scaled
 
     return scale
@@ -108,11 +107,11 @@ def _scale(adapter: Any, deepspeeds_scale: Callable[[Any], Any], read_scale: Cal
 
 class _EngineAdapter:
     """Switches one engine's loss division off while it is installed
-    (NOTE [ DeepSpeed's two generations ], NOTE [ fp16 engines ]).
+    (See NOTE [ DeepSpeed's two generations ].)
 
     ``open``: a governed prologue of this engine ran and its epilogue has not
-    yet; ``attempt``: that backward's start (NOTE [ An aborted backward counts
-    for nothing ] in _adapters/deepspeed/failed.py); ``window``: DeepSpeed's
+    yet; ``attempt``: that backward's start (an aborted backward's, see
+    NOTE [ An aborted backward counts for nothing ] in _adapters/deepspeed/failed.py); ``window``: DeepSpeed's
     global step at this engine's last completed epilogue (one in this
     accumulation window while it still equals the engine's); ``dead``: why the
     engine fails closed, else None; ``ended``: graphscale discarded a failed
@@ -182,8 +181,8 @@ class _EngineAdapter:
 
     def prologue(self) -> None:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
-        eagerly under compiled autograd (NOTE [ Under compiled autograd ] in
-        _adapters/deepspeed/compiled.py)."""
+        eagerly under compiled autograd.
+        (See NOTE [ Under compiled autograd ] in _adapters/deepspeed/compiled.py.)"""
         # compiled_autograd_active() (_backward/gate.py), inline: a copy kept for speed.  Its call is one more
         # Python call per engine and backward (benchmarks/cost.py --calls-only, issue 49: mixed-loss 42 -> 44,
         # mixed-engine 54 -> 57, one-engine 20 -> 21; the first two past the gate's margin of 3 % + 2).
@@ -196,9 +195,9 @@ class _EngineAdapter:
             self.attempt = begin(self.engine, self.drains, self.window == self.engine.global_steps)
 
     def prologue_starts(self, on_failure: list[Callable[[], None]]) -> None:
-        """A governed backward runs this engine's prologue now (NOTE [ One
-        lifecycle per backward ]); ``on_failure``: that backward's list of
-        NOTE [ A backward that raised ] (in _backward/frames.py), which gets
+        """A governed backward runs this engine's prologue now (see
+        NOTE [ One lifecycle per backward ]); ``on_failure``: that backward's
+        list of what completes it if it raises, which gets
         :meth:`backward_failed`.  Refused where the engine fails closed; first
         take back the ZeRO backward depth of a governed prologue whose
         backward ended without its epilogue (where :meth:`backward_failed`
@@ -217,15 +216,14 @@ class _EngineAdapter:
         on_failure.append(self.backward_failed)
         source = self.scale_source  # (read_scale() without its frame: None is a scale of 1)
         if source is not None and not getattr(engine, "_running_engine_backward", False) and float(source()) != 1.0:
-            # A direct backward: graphscale applies the loss scale (NOTE [ fp16 engines ]), which
-            # DeepSpeed's epilogue checks was done.
+            # A direct backward: graphscale applies the loss scale, which DeepSpeed's epilogue
+            # checks was done.
             engine._manual_backward_expected = True
 
     def backward_failed(self) -> None:
-        """NOTE [ A backward that raised ] in _backward/frames.py: the governed backward
-        that ran this engine's prologue raised before its epilogue; discard its
-        part, or make the engine fail closed (NOTE [ An aborted backward counts
-        for nothing ] in _adapters/deepspeed/failed.py)."""
+        """The governed backward that ran this engine's prologue raised before
+        its epilogue: discard its part, or make the engine fail closed.
+        (See NOTE [ A backward that raised ] in _backward/frames.py.)"""
         if not self.open or self.drains is None:  # (the epilogue ran; or DeepSpeed recovers by itself)
             self.open = False
             return

@@ -13,9 +13,9 @@
 
 namespace graphscale::planner {
 
-// What a checkpoint hint says of a custom-Function node (NOTE [ Checkpoint
-// hints ] in graphscale/_backward/hints.py): nothing, a group position (the
-// pin is that group's factor) or a pin itself.
+// What a checkpoint hint says of a custom-Function node: nothing, a group
+// position (the pin is that group's factor) or a pin itself.
+// (See NOTE [ Checkpoint hints ] in graphscale/_backward/hints.py.)
 struct Hinted {
   enum Kind { kNone, kGroup, kPin } kind = kNone;
   int64_t group = -1;  // kGroup
