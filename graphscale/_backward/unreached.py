@@ -41,7 +41,9 @@ def warn_unreached_groups(state: State, plan: Plan) -> None:
     )
 
 
-_SKIP_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+# graphscale's whole package (its backward runs through _entry/, _routes/ and _backward/) and torch
+_SKIP_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+              os.path.dirname(os.path.abspath(torch.__file__)))
 
 
 def _user_stacklevel() -> int:

@@ -86,8 +86,8 @@ STYLES: dict[str, tuple[Callable[[list[torch.Tensor]], None], int]] = {  # style
 @pytest.mark.parametrize("style", list(STYLES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.id)
 def test_every_parameter_gets_plain_times_its_groups_factor_with_hooks_on_the_device_thread(
-        shape: Shape, style: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    dt.use_route(route, monkeypatch)
+        shape: Shape, style: str, route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    dt.use_route(route, request)
     world = World(shape.groups)
     threads = dt.ThreadLog()
     world.watch(threads)
@@ -106,11 +106,12 @@ def test_every_parameter_gets_plain_times_its_groups_factor_with_hooks_on_the_de
 
 
 @pytest.mark.parametrize("route", dt.ROUTES)
-def test_gas_read_when_each_backward_starts_on_the_device(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gas_read_when_each_backward_starts_on_the_device(route: str, monkeypatch: pytest.MonkeyPatch,
+                                                          request: pytest.FixtureRequest) -> None:
     """GAS as a callable, changed between backwards (contract 1: read when
     the backward starts): each backward's parameters get that backward's
     factor, and the device thread runs them."""
-    dt.use_route(route, monkeypatch)
+    dt.use_route(route, request)
     world = World()
     gas = {"A": 2}
     plain = []

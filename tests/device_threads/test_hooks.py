@@ -91,8 +91,9 @@ CASES = [pytest.param("AB", {"A": 2, "B": 4}, id="walked-gas2-gas4"),
 @pytest.mark.parametrize("times", [1.0, 4.0], ids=["observing-hooks", "scaling-hooks"])
 @pytest.mark.parametrize("groups, gas", CASES)
 def test_tensor_and_node_hooks_see_one_factor_times_their_plain_gradient_on_the_device_thread(
-        groups: str, gas: dict[str, int], times: float, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    dt.use_route(route, monkeypatch)
+        groups: str, gas: dict[str, int], times: float, route: str, monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
+    dt.use_route(route, request)
     world = World(groups, gas=gas)
     threads = dt.ThreadLog()
     plain_seen, seen = Seen(threads, times), Seen(threads, times)
@@ -114,8 +115,8 @@ def test_tensor_and_node_hooks_see_one_factor_times_their_plain_gradient_on_the_
 
 @pytest.mark.parametrize("route", dt.ROUTES)
 def test_parameter_hooks_and_post_accumulate_hooks_see_exactly_factor_times_g_on_the_device_thread(
-        route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    dt.use_route(route, monkeypatch)
+        route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    dt.use_route(route, request)
     world = World("AB")
     threads = dt.ThreadLog()
     leaf: dict[str, list[torch.Tensor]] = {}

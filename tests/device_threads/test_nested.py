@@ -113,8 +113,8 @@ STYLES: dict[str, Callable[[torch.Tensor], None]] = {
 @pytest.mark.parametrize("style", list(STYLES))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_nested_backwards_on_the_device_thread_give_every_parameter_plain_times_its_factor(
-        case: Case, style: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    dt.use_route(route, monkeypatch)
+        case: Case, style: str, route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    dt.use_route(route, request)
     world = World(case.groups)
     threads = dt.ThreadLog()
     world.watch(threads)

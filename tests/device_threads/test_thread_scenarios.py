@@ -134,8 +134,8 @@ CASES = [pytest.param(g, c, id=f"{g}-{c}") for g, c in [
 @pytest.mark.parametrize("route", dt.ROUTES)
 @pytest.mark.parametrize("graph, call", CASES)
 def test_remove_from_another_thread_while_the_device_thread_runs_a_governed_backward_keeps_it_exact(
-        graph: str, call: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    dt.use_route(route, monkeypatch)
+        graph: str, call: str, route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    dt.use_route(route, request)
     world = World()
     plain = _plain(world, graph, call)
     threads = dt.ThreadLog()
@@ -158,10 +158,10 @@ def test_remove_from_another_thread_while_the_device_thread_runs_a_governed_back
 @pytest.mark.parametrize("route", dt.ROUTES)
 @pytest.mark.parametrize("graph, call", CASES)
 def test_install_from_another_thread_while_the_device_thread_runs_an_ungoverned_backward_leaves_it_plain(
-        graph: str, call: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        graph: str, call: str, route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """A checkpoint's nested backward that starts after the install, inside
     the ungoverned backward, stays plain with it."""
-    dt.use_route(route, monkeypatch)
+    dt.use_route(route, request)
     world = World()
     plain = _plain(world, graph, call)
     threads = dt.ThreadLog()
@@ -180,10 +180,10 @@ def test_install_from_another_thread_while_the_device_thread_runs_an_ungoverned_
 @pytest.mark.parametrize("route", dt.ROUTES)
 @pytest.mark.parametrize("graph", [g for g in GRAPHS if "ckpt" not in g])  # (reentrant checkpointing refuses grad())
 def test_autograd_grad_while_installed_is_plain_on_the_device_thread(
-        graph: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        graph: str, route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """torch.autograd.grad is not governed (it accumulates nothing): exactly
     plain PyTorch's, installed or not."""
-    dt.use_route(route, monkeypatch)
+    dt.use_route(route, request)
     world = World()
     params = list(world.params().values())
     threads = dt.ThreadLog()
@@ -219,8 +219,8 @@ class GradInBackward(torch.autograd.Function):
 
 @pytest.mark.parametrize("route", dt.ROUTES)
 def test_autograd_grad_nested_in_a_governed_backward_on_the_device_thread_is_plain(
-        route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    dt.use_route(route, monkeypatch)
+        route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    dt.use_route(route, request)
     world = World()
     threads = dt.ThreadLog()
     seen: list[torch.Tensor] = []
@@ -242,10 +242,10 @@ def test_autograd_grad_nested_in_a_governed_backward_on_the_device_thread_is_pla
 
 @pytest.mark.parametrize("route", dt.ROUTES)
 def test_remove_from_a_device_thread_hook_before_a_reentrant_checkpoint_recomputes_keeps_that_backward_exact(
-        route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        route: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """tests/hardening/test_thread_governance.py's last test, with the hook (and so the
     remove() and the checkpoint's nested backward) on the device thread."""
-    dt.use_route(route, monkeypatch)
+    dt.use_route(route, request)
     world = World()
     threads = dt.ThreadLog()
 

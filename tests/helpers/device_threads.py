@@ -268,17 +268,15 @@ class ThreadLog:
 ROUTES = ("native", "python")  # parametrize every family on both (style notes, 13)
 
 
-def use_route(route: str, monkeypatch: Any) -> None:
+def use_route(route: str, request: Any) -> None:
     """Every governed backward of the test takes ``route``: "python" switches
-    the native route off (as tests/conftest.py's ``python_route`` fixture);
+    the native route off (tests/conftest.py's ``python_route`` fixture);
     "native" skips the test where the native route is off here
     (``GRAPHSCALE_ROUTE=python``, or no native walker)."""
-    from graphscale._routes import native as _route
-
     from helpers.routes import native_route_or_skip
 
     if route == "python":
-        monkeypatch.setattr(_route, "enabled", False)
+        request.getfixturevalue("python_route")
     else:
         native_route_or_skip()
 
