@@ -5,6 +5,7 @@
 :data:`bindings`, is the one both backends write."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -31,6 +32,9 @@ __all__ = ["bindings", "Binding", "PythonBackend", "PYTHON"]
 # DeepSpeed adapter's output hooks read it: task_binding() without its frame)
 bindings: dict[int, Any] = {}
 _py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, reading), innermost last
+# Backwards on several threads register and unregister at once (a plan with no edge
+# multiplier holds the shared-nodes lock shared): the list changes only under this lock.
+_py_running_lock = threading.Lock()
 
 
 class Binding:
@@ -115,13 +119,15 @@ class _PyRunningPlan:
         self.entry = (plan, reading)
 
     def __enter__(self) -> None:
-        _py_running.append(self.entry)
+        with _py_running_lock:
+            _py_running.append(self.entry)
 
     def __exit__(self, *exc: object) -> None:
-        for i in range(len(_py_running) - 1, -1, -1):
-            if _py_running[i] is self.entry:
-                del _py_running[i]
-                return
+        with _py_running_lock:
+            for i in range(len(_py_running) - 1, -1, -1):
+                if _py_running[i] is self.entry:
+                    del _py_running[i]
+                    return
 
 
 
@@ -154,10 +160,11 @@ class PythonBackend:
         return _PyRunningPlan(plan, reading)
 
     def running(self) -> tuple[tuple[Plan, Reading], ...]:
-        return tuple(_py_running)
+        with _py_running_lock:
+            return tuple(_py_running)
 
     def enclosing_phi(self, node: Any) -> float | None:
-        for plan, _ in reversed(_py_running):
+        for plan, _ in reversed(self.running()):
             p = plan.phi_of(node)
             if p is not None:
                 return p  # type: ignore[no-any-return]

@@ -29,7 +29,7 @@ __all__ = ["NEWEST_TESTED", "newer_than_tested", "warn_if_newer"]
 # Exact, or refused with the piece named: never a resolver conflict, never
 # silently wrong.  NEWEST_TESTED moves when CI runs a newer release.
 
-NEWEST_TESTED = {"torch": "2.14.1", "DeepSpeed": "0.19.8"}  # the newest each CI stage runs (.ci/run)
+NEWEST_TESTED = {"torch": "2.15.0", "DeepSpeed": "0.19.8"}  # the newest each CI stage runs (.ci/run)
 
 _lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()

@@ -29,9 +29,9 @@ CONCEPTS = ("nodes.h", "walk.h", "pins.h", "potentials.h", "probe.h", "plan.h")
 PYTHON_API = ("py::", "PyObject", "pybind11", "Python.h", "torch/csrc/autograd/python_")
 NAMESPACE = "namespace graphscale::planner {"
 # As graphscale/_native/build.py builds walker.cpp (its release flags, and what torch's extension
-# builder adds), but -fsyntax-only and without Python's include directory.  c++17: the planner is
-# meant to stay valid C++17; the build itself compiles it under torch's standard (c++20 in torch 2.13).
-CXXFLAGS = ("-std=c++17", "-fsyntax-only", "-fPIC", "-O3", "-DNDEBUG", "-DTORCH_API_INCLUDE_EXTENSION_H")
+# builder adds), but -fsyntax-only and without Python's include directory.  c++20: torch's own
+# standard for extensions (torch 2.15's ATen refuses anything older: "C++20 or later ... is required").
+CXXFLAGS = ("-std=c++20", "-fsyntax-only", "-fPIC", "-O3", "-DNDEBUG", "-DTORCH_API_INCLUDE_EXTENSION_H")
 GXX = shutil.which("g++")
 
 
