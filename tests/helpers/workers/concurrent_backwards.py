@@ -27,6 +27,8 @@ import graphscale
 from graphscale import observe
 from graphscale._backward import gate as _gate
 
+from helpers.threads import run_threads
+
 THREADS = 5
 ROUNDS = 40
 TOL = 1e-9
@@ -66,23 +68,6 @@ class World:
             p.grad = None
 
 
-def run_threads(work: Sequence[Callable[[], None]]) -> list[str]:
-    """Run each callable on its own thread, all released together; the errors."""
-    barrier, errors = threading.Barrier(len(work)), []
-
-    def body(fn: Callable[[], None]) -> None:
-        try:
-            barrier.wait()
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported, not raised on a thread
-            errors.append(f"{type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=body, args=(fn,)) for fn in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
 
 
 def close(name: str, got: torch.Tensor | None, want: torch.Tensor) -> list[str]:

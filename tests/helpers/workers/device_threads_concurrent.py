@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
 from helpers import device_threads as dt  # noqa: E402
+from helpers.threads import run_threads  # noqa: E402
 
 THREADS = 4
 ROUNDS = 6
@@ -93,22 +94,6 @@ class Run:
         return out + self.threads.off_device()
 
 
-def run_threads(work: Sequence[Callable[[], None]]) -> list[str]:
-    barrier, errors = threading.Barrier(len(work)), []
-
-    def body(fn: Callable[[], None]) -> None:
-        try:
-            barrier.wait()
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported, not raised on a thread
-            errors.append(f"{type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=body, args=(fn,)) for fn in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
 
 
 def _inputs(k: int) -> torch.Tensor:
