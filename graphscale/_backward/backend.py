@@ -90,14 +90,10 @@ class Backend(Protocol):
     a running plan for the backwards nested in it, look them up.
 
     ``module`` is the native extension, or None for the Python backend (the
-    native route's one-call backward needs the extension itself);
-    ``binds_root_nodes``: whether :meth:`bound` puts a hook on root nodes,
-    which other backwards may share, so such a backward runs alone.
-    (See NOTE [ Hooks on shared nodes ] in _native/hooks.h.)"""
+    native route's one-call backward needs the extension itself)."""
 
     name: str
     module: Any
-    binds_root_nodes: bool
 
     # ---- the walker
     def probe(self, roots: Sequence[Any], state: State) -> int:
@@ -125,9 +121,24 @@ class Backend(Protocol):
         """The binding of a reference pass.  (See NOTE [ Once per backward ] in _backward/running.py.)"""
         ...
 
-    def bound(self, roots: tuple[Any, ...], binding: Any) -> AbstractContextManager[tuple[Any, ...]]:
-        """Bind the graph task of a backward of ``roots`` while it runs; its
-        ``with`` gives the roots to hand to torch."""
+    def bound(self, roots: tuple[Any, ...], binding: Any, key: int = 0) -> AbstractContextManager[tuple[Any, ...]]:
+        """Bind the graph task of a backward of ``roots`` while it runs to
+        ``binding`` (None: none) and to ``key`` (0: none) with the keys of the
+        task it runs inside; its ``with`` gives the roots to hand to torch.
+        (See NOTE [ Multipliers per graph task ] in _native/hooks.h.)"""
+        ...
+
+    def new_key(self) -> int:
+        """A key for one backward's multiplier rows."""
+        ...
+
+    def task_has(self, key: int) -> bool:
+        """Whether the graph task running here reads the rows of ``key``."""
+        ...
+
+    def task_keyed(self) -> bool:
+        """Whether the graph task running here reads any rows (a backward
+        nested in it is bound, to read them too)."""
         ...
 
     def running_plan(self, plan: Plan, reading: Reading) -> AbstractContextManager[None]:

@@ -14,11 +14,11 @@ from torch.autograd.graph import GradientEdge
 
 from .._core.observation import Laps
 from . import running as _running
-from .overrides import overridable, own
-from .sharing import ORIGINAL_BACKWARD
+from .overrides import ORIGINAL_BACKWARD, overridable, own
 
 __all__ = ["ORIGINAL_BACKWARD", "BackwardCall", "materialize", "normalize"]
 
+_task_id = torch._C._current_graph_task_id
 _OWN_BACKWARD = own(ORIGINAL_BACKWARD, "backward")  # NOTE [ An override sees torch's own backward ]
 
 
@@ -92,12 +92,18 @@ class BackwardCall(NamedTuple):
         return cls(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs,
                    None if norm is None else norm[0], None if norm is None else tuple(norm[1]), in_tuple)
 
-    def run(self, binding: Any, seeds: Any = None, laps: Laps | None = None) -> None:
+    def run(self, binding: Any, seeds: Any = None, laps: Laps | None = None, bound: Any = None) -> None:
         """The original backward, with ``seeds`` in place of the given seeds if
         not None, its graph task bound to ``binding`` if not None
-        (:func:`_running.binding_for`).
-        (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py.)"""
-        if binding is None or self.roots is None:
+        (:func:`_running.binding_for`), or by ``bound`` if given
+        (:func:`_running.bound_with_rows`); a backward nested in a task that
+        reads multiplier rows is bound to read them too.
+        (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py,
+        NOTE [ Multipliers per graph task ] in _native/hooks.h.)"""
+        if self.roots is not None and bound is None and binding is None and _task_id() >= 0 and \
+                _running.state.task_keyed():
+            bound = _running.bound(self.roots, None)
+        if (binding is None and bound is None) or self.roots is None:
             if laps:
                 laps("bind")  # nothing to bind: the lap closes what came before, as below
             original = _OWN_BACKWARD if overridable(self.tensors, self.inputs_arg) else ORIGINAL_BACKWARD
@@ -110,7 +116,7 @@ class BackwardCall(NamedTuple):
             return
         grads = self.grads if seeds is None else seeds
         assert grads is not None  # normalized with the roots
-        with _running.bound(self.roots, binding) as roots:
+        with _running.bound(self.roots, binding) if bound is None else bound as roots:
             if laps:
                 laps("bind")
             original = _OWN_BACKWARD if overridable(roots, self.inputs_arg) else ORIGINAL_BACKWARD

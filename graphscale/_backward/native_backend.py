@@ -60,12 +60,14 @@ class NativeBackend:
     must be handed over (the C++ reads no attribute of ours by name)."""
 
     name = "native"
-    binds_root_nodes = False  # NOTE [ Binding without touching a shared node ] in _native/bind.h
 
     def __init__(self, module: Any) -> None:
         self.module = module
         self.reference_binding = module.reference_binding
         self.bound = module.bound
+        self.new_key = module.new_key
+        self.task_has = module.task_has
+        self.task_keyed = module.task_keyed
         self.running = module.running
         self.enclosing_phi = module.enclosing_phi
         self.nested_plan = module.nested_plan

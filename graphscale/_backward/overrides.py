@@ -1,7 +1,7 @@
-"""torch's own ``backward`` and ``grad`` as graphscale hands them a call that
-a ``__torch_function__`` override may see: twins whose override hands the
-override torch's own function, not graphscale's.  Imports nothing of
-graphscale.
+"""torch's own ``backward`` (:data:`ORIGINAL_BACKWARD`), and the twin
+graphscale hands a call that a ``__torch_function__`` override may see: a
+twin whose override hands the override torch's own function, not
+graphscale's.  Imports nothing of graphscale.
 """
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["own", "overridable"]
+__all__ = ["ORIGINAL_BACKWARD", "own", "overridable"]
+
+ORIGINAL_BACKWARD: Callable[..., None] = torch.autograd.backward  # as torch defined it (call.py runs it)
 
 # NOTE [ An override sees torch's own backward ]
 # torch.autograd.backward and torch.autograd.grad ask __torch_function__
@@ -19,12 +21,12 @@ __all__ = ["own", "overridable"]
 # the function torch.autograd's global ``backward`` names, which is
 # graphscale's entry while graphscale is installed.  The override calls it
 # (the usual one records, then calls func(*args)), so the call came back into
-# graphscale inside the call graphscale was handing to torch: governed a
-# second time, or waiting for the hook lock its own outer call held.  The
-# process hung (a TorchFunctionMode around torch.autograd.backward(loss) with
-# two groups, tests/native/test_engine_call.py).  So such a call is handed to a twin
-# of torch's function (own): the same code, whose global ``backward``
-# (``grad``) is torch's own function and whose other globals are
+# graphscale inside the call graphscale was handing to torch and was governed
+# a second time (the process hung on the hook lock graphscale held then, a
+# TorchFunctionMode around torch.autograd.backward(loss) with two groups,
+# tests/native/test_engine_call.py).  So such a call is handed to a twin of
+# torch's function (own): the same code, whose global ``backward`` is torch's
+# own function and whose other globals are
 # torch.autograd's, read live at each lookup.  The override sees, and calls,
 # what it would without graphscale, and that call runs as torch's.  Only a
 # call an override may see takes the twin (overridable): a twin's global

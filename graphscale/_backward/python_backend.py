@@ -5,6 +5,7 @@
 :data:`bindings`, is the one both backends write."""
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -35,6 +36,10 @@ _py_running: list[tuple[Any, Reading]] = []  # the Python registry: (plan, readi
 # Backwards on several threads register and unregister at once (a plan with no edge
 # multiplier holds the shared-nodes lock shared): the list changes only under this lock.
 _py_running_lock = threading.Lock()
+# graph task id -> the keys whose multiplier rows its hooks apply: its backward's own,
+# then those of the tasks it runs inside (NOTE [ Multipliers per graph task ] in _native/hooks.h)
+_task_keys: dict[int, tuple[int, ...]] = {}
+_next_key = itertools.count(1).__next__
 
 
 class Binding:
@@ -65,18 +70,24 @@ class Binding:
 class _PyBound:
     """The Python binding hook (NOTE [ Which snapshot an output hook obeys ])."""
 
-    __slots__ = ("roots", "binding", "tasks", "handles")
+    __slots__ = ("roots", "binding", "keys", "tasks", "keyed", "handles")
 
-    def __init__(self, roots: Sequence[Any], binding: Any) -> None:
+    def __init__(self, roots: Sequence[Any], binding: Any, key: int = 0) -> None:
         self.roots, self.binding = roots, binding
+        inherited = _task_keys.get(torch._C._current_graph_task_id(), ())
+        self.keys = (key, *inherited) if key else inherited
         self.tasks: list[int] = []
+        self.keyed: list[int] = []
         self.handles: list[Any] = []
 
     def _bind(self, *_: Any) -> None:
         tid = torch._C._current_graph_task_id()
-        if tid >= 0 and tid not in bindings:
+        if tid >= 0 and self.binding is not None and tid not in bindings:
             bindings[tid] = self.binding
             self.tasks.append(tid)
+        if tid >= 0 and self.keys and tid not in _task_keys:
+            _task_keys[tid] = self.keys
+            self.keyed.append(tid)
 
     def __enter__(self) -> tuple[Any, ...]:
         out = []
@@ -87,9 +98,12 @@ class _PyBound:
                 node = None
                 if isinstance(t, GradientEdge):
                     node = t.node
-                elif isinstance(t, torch.Tensor):
+                elif isinstance(t, torch.Tensor) and t.requires_grad:
+                    # A view of the root is a node of this backward's own, before the root's own
+                    # hooks: nothing another backward runs is touched.  A subclass, a sparse or
+                    # nested root: its own node.  (See NOTE [ Multipliers per graph task ] in _native/hooks.h.)
                     hooked = t._backward_hooks and _registry.output_hooked(t)
-                    if hooked and t.layout == torch.strided and not t.is_nested:
+                    if (hooked or type(t) is torch.Tensor) and t.layout == torch.strided and not t.is_nested:
                         t = t.view_as(t)  # its node dies with the graph: no handle to keep
                         t.grad_fn.register_prehook(self._bind)  # type: ignore[union-attr]
                     else:
@@ -106,6 +120,8 @@ class _PyBound:
             h.remove()
         for tid in self.tasks:
             bindings.pop(tid, None)
+        for tid in self.keyed:
+            _task_keys.pop(tid, None)
 
 
 
@@ -138,7 +154,6 @@ class PythonBackend:
 
     name = "python"
     module = None
-    binds_root_nodes = True  # _PyBound's pre-hook on a root node (NOTE [ Hooks on shared nodes ])
 
     def probe(self, roots: Sequence[Any], state: State) -> int:
         return _probe.probe_python(roots, state)
@@ -153,8 +168,18 @@ class PythonBackend:
     def reference_binding(self, reading: Reading) -> Binding:
         return Binding(reading, reference=True, on_failure=[])
 
-    def bound(self, roots: tuple[Any, ...], binding: Any) -> _PyBound:
-        return _PyBound(roots, binding)
+    def bound(self, roots: tuple[Any, ...], binding: Any, key: int = 0) -> _PyBound:
+        return _PyBound(roots, binding, key)
+
+    new_key = staticmethod(_next_key)
+
+    @staticmethod
+    def task_has(key: int) -> bool:
+        return key in _task_keys.get(torch._C._current_graph_task_id(), ())
+
+    @staticmethod
+    def task_keyed() -> bool:
+        return bool(_task_keys) and torch._C._current_graph_task_id() in _task_keys
 
     def running_plan(self, plan: Plan, reading: Reading) -> _PyRunningPlan:
         return _PyRunningPlan(plan, reading)

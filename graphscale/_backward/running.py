@@ -17,16 +17,15 @@ from .._core.snapshot import Reading, State
 from . import frames as _frames
 from . import gate as _gate
 from . import native_backend as _native_backend
-from . import sharing as _sharing
 from .backend import Backend, Plan
 from .gate import compiled_autograd_active
+from .overrides import ORIGINAL_BACKWARD
 from .python_backend import PYTHON, Binding, PythonBackend, bindings
-from .sharing import ORIGINAL_BACKWARD
 
 __all__ = [
-    "PythonBackend", "PYTHON", "state", "use_native", "binds_shared_nodes", "Binding", "bindings", "binding_for",
-    "reference_binding", "bound", "task_binding", "task_reading", "running_plan", "running", "enclosing_phi",
-    "find_enclosing",
+    "PythonBackend", "PYTHON", "state", "use_native", "Binding", "bindings", "binding_for",
+    "reference_binding", "bound", "bound_with_rows", "task_binding", "task_reading", "running_plan", "running",
+    "enclosing_phi", "find_enclosing",
 ]
 
 # Once the native module keeps the running state (use_native) the registry,
@@ -93,19 +92,10 @@ def use_native(module: Any) -> bool:
     if PYTHON.running() or bindings:
         return False
     backend = _native_backend.of(module)
-
-    def switch() -> None:
-        global state
-        backend.configure(bindings, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
-        state = backend
-        _gate.running_in(module)  # the native front of this module may open
-    return _sharing.use_native(module, switch)  # (not while a backward holds the Python lock)
-
-
-def binds_shared_nodes(binding: Any) -> bool:
-    """Whether :func:`bound` puts ``binding`` on nodes other backwards may
-    share (the Python binding's pre-hook: NOTE [ Hooks on shared nodes ])."""
-    return binding is not None and (state.binds_root_nodes or compiled_autograd_active())
+    backend.configure(bindings, ORIGINAL_BACKWARD, _frames.innermost, _frames.CARRIES_ATTR)
+    state = backend
+    _gate.running_in(module)  # the native front of this module may open
+    return True
 
 
 def binding_for(reading: Reading | None, hooks: bool = True, potential: float | None = None,
@@ -128,12 +118,26 @@ def reference_binding(snapshot: State) -> Any:
     return state.reference_binding(Reading(snapshot, {}, []))
 
 
-def bound(roots: Sequence[Any], binding: Any) -> Any:
+def bound(roots: Sequence[Any], binding: Any, key: int = 0) -> Any:
     """Bind the graph task of a backward of ``roots`` to ``binding`` while it
-    runs (NOTE [ Which snapshot an output hook obeys ]): a context manager
-    whose ``with`` gives the roots to hand to torch.  Under compiled autograd
-    the Python one, the hook it lifts."""
-    return (PYTHON if compiled_autograd_active() else state).bound(tuple(roots), binding)
+    runs (NOTE [ Which snapshot an output hook obeys ]), and to ``key`` with
+    the keys of the task it runs inside (NOTE [ Multipliers per graph task ]
+    in _native/hooks.h): a context manager whose ``with`` gives the roots to
+    hand to torch.  Under compiled autograd the Python one, the hook it lifts."""
+    return (PYTHON if compiled_autograd_active() else state).bound(tuple(roots), binding, key)
+
+
+def bound_with_rows(roots: Sequence[Any], binding: Any, rows: bool) -> tuple[Any, int]:
+    """For a backward of ``roots`` that puts multiplier rows on nodes
+    (``rows``) or runs inside a task that reads some: (the :func:`bound`
+    context manager, or None where nothing needs binding; the key of its
+    rows, 0 under compiled autograd, whose hooks apply unchecked: it has no
+    graph task to ask).  (See NOTE [ Multipliers per graph task ] in _native/hooks.h.)"""
+    compiled = compiled_autograd_active()
+    key = state.new_key() if rows and not compiled else 0
+    if binding is None and not key and not state.task_keyed():
+        return None, 0
+    return (PYTHON if compiled else state).bound(tuple(roots), binding, key), key
 
 
 def task_binding() -> Any:

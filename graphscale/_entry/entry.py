@@ -15,7 +15,6 @@ import torch
 
 from .._backward import frames as _frames
 from .._backward import gate as _gate
-from .._backward import sharing as _sharing
 from .._backward.call import ORIGINAL_BACKWARD, BackwardCall
 from .._core import observation as _observation
 from .._core import snapshot as _snapshot
@@ -115,7 +114,6 @@ def patch(on: bool) -> None:
     with _patch_lock:
         if on:
             torch.autograd.backward = _front if _front is not None else governed_backward
-            _sharing.wrap_grad(True)  # NOTE [ Hooks on shared nodes ]
         elif not _top_level_running and patched():
             _unpatch()
 
@@ -151,7 +149,6 @@ def when_unpatched(fn: Callable[[], None]) -> None:
 
 def _unpatch() -> None:
     torch.autograd.backward = ORIGINAL_BACKWARD
-    _sharing.wrap_grad(False)
     for fn in _when_unpatched:
         fn()
 
@@ -203,8 +200,7 @@ def _govern_if_installed(call: BackwardCall) -> None:
 def _ungoverned(call: BackwardCall) -> None:
     """``call`` run as torch would: nothing is installed any more (removed
     meanwhile), or the call is malformed (torch raises its own error)."""
-    with _sharing.hold(False):  # (a backward begun before remove() may still hook)
-        return call.run(None)
+    return call.run(None)
 
 
 def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:

@@ -4,11 +4,47 @@
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
+// Graph task id -> the keys of the backwards whose multiplier rows its hooks
+// read: its own backward's and those of the tasks it runs inside; the
+// BindNode writes it.  (See NOTE [ Multipliers per graph task ] in hooks.h.)
+using Keys = std::vector<uint64_t>;
+struct TaskKeys {
+  std::mutex mu;
+  std::vector<std::pair<int, Keys>> of;
+};
+TaskKeys task_keys;
+std::atomic<uint64_t> next_key{1};
+
+static Keys keys_of_task(int tid) {
+  if (tid < 0) return {};
+  std::lock_guard<std::mutex> lock(task_keys.mu);
+  for (const auto& tk : task_keys.of)
+    if (tk.first == tid) return tk.second;
+  return {};
+}
+static bool task_has_key(int tid, uint64_t key) {
+  if (tid < 0) return false;
+  std::lock_guard<std::mutex> lock(task_keys.mu);
+  for (const auto& tk : task_keys.of)
+    if (tk.first == tid) return std::find(tk.second.begin(), tk.second.end(), key) != tk.second.end();
+  return false;
+}
+static void forget_tasks(const std::vector<int>& tids) {
+  if (tids.empty()) return;
+  std::lock_guard<std::mutex> lock(task_keys.mu);
+  auto& of = task_keys.of;
+  of.erase(std::remove_if(of.begin(), of.end(),
+                          [&](const auto& tk) { return std::find(tids.begin(), tids.end(), tk.first) != tids.end(); }),
+           of.end());
+}
+
 // What one backward's binding hooks share: the Binding, the tasks they bound.
 struct BindState {
-  PyObject* binding = nullptr;  // strong; released by Undo, with the GIL
+  PyObject* binding = nullptr;  // strong; released by Undo, with the GIL (null: the task is only keyed)
+  Keys keys;                    // the task's keys: its backward's own, then inherited (hooks.h)
   std::mutex mu;
-  std::vector<int> tasks;
+  std::vector<int> tasks;       // bound to `binding`
+  std::vector<int> keyed;       // given `keys`
 };
 
 // NOTE [ Binding without touching a shared node ]
@@ -27,6 +63,50 @@ struct BindState {
 // root node, so before any output hook, as the pre-hook did; no other
 // backward can reach it, so nothing any other thread runs is changed.
 // Freed with the roots handed to torch, once the backward is over.
+// Records the running graph task's keys (task_keys) and graph task id ->
+// Binding in graphscale._backward.running.bindings (running.py's Python hook
+// does the same), once per task: what the binding node, or each root view's
+// pre-hook, does first in the task.
+static void record_task(BindState& st) {
+  const int tid = torch::autograd::get_current_graph_task_id();
+  if (tid < 0) return;
+  if (!st.keys.empty()) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (std::find(st.keyed.begin(), st.keyed.end(), tid) == st.keyed.end()) {
+      st.keyed.push_back(tid);
+      std::lock_guard<std::mutex> keys_lock(task_keys.mu);
+      task_keys.of.emplace_back(tid, st.keys);
+    }
+  }
+  if (st.binding == nullptr) return;
+  py::gil_scoped_acquire gil;
+  PyObject* key = PyLong_FromLong(tid);
+  if (key != nullptr) {
+    PyObject* dict = registry->by_task.ptr();
+    if (PyDict_Contains(dict, key) == 0 && PyDict_SetItem(dict, key, st.binding) == 0) {
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.tasks.push_back(tid);  // only what this binding put there is taken out again
+    }
+  }
+  Py_XDECREF(key);
+  PyErr_Clear();
+}
+
+// The pre-hook on a view of a root, a node of the backward's own: where
+// torch must be handed tensors (below, Undo::bind_roots).
+class BindPreHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit BindPreHook(std::shared_ptr<BindState> st) : st_(std::move(st)) { GS_SEAM(++bind_made; ++bind_live;) }
+  ~BindPreHook() override { GS_SEAM(--bind_live;) }
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    record_task(*st_);
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<BindState> st_;
+};
+
 namespace {
 class BindNode : public Node {
  public:
@@ -36,22 +116,8 @@ class BindNode : public Node {
   }
   ~BindNode() override { GS_SEAM(--bind_live;) }
   std::string name() const override { return "GraphscaleBindBackward"; }
-  // Records graph task id -> Binding in graphscale._backward.running.bindings
-  // (running.py's Python hook does the same) and passes the seeds on.
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    const int tid = torch::autograd::get_current_graph_task_id();
-    if (tid < 0) return std::move(grads);
-    py::gil_scoped_acquire gil;
-    PyObject* key = PyLong_FromLong(tid);
-    if (key != nullptr && st_->binding != nullptr) {
-      PyObject* dict = registry->by_task.ptr();
-      if (PyDict_Contains(dict, key) == 0 && PyDict_SetItem(dict, key, st_->binding) == 0) {
-        std::lock_guard<std::mutex> lock(st_->mu);
-        st_->tasks.push_back(tid);  // only what this binding put there is taken out again
-      }
-    }
-    Py_XDECREF(key);
-    PyErr_Clear();
+    record_task(*st_);
     return std::move(grads);
   }
 

@@ -32,13 +32,15 @@ struct Bound {
   std::unique_ptr<Undo> undo;
 };
 
-static Bound make_bound(const py::tuple& roots, py::object binding) {
+// `key`: the Python route's multiplier rows (new_key; 0: none).
+static Bound make_bound(const py::tuple& roots, py::object binding, uint64_t key) {
   Bound b;
   b.roots = roots;
   Roots call;
   if (!root_nodes_of(roots, &call.nodes, &call.leaf_roots))
     throw std::invalid_argument("graphscale: bound() got a root that is neither a tensor nor an edge");
   b.undo = std::make_unique<Undo>();
+  b.undo->key = key;
   for (Node* n : call.nodes)
     if (n == nullptr) throw std::invalid_argument("graphscale: bound() got a root that needs no gradient");
   b.roots = b.undo->bind_roots(roots, std::move(binding));

@@ -81,6 +81,7 @@ struct Apply {
   std::vector<double> mults;  // per root
   py::object binding = py::none();
   py::list seeds;  // what torch is handed (make_seeds)
+  bool inherit = true;  // read the rows of the task it runs inside (false: its graph meets none of their nodes)
 };
 
 // The seeds of `a.mults` into `a.seeds`, before anything is touched; false
@@ -100,23 +101,22 @@ static bool make_seeds(Apply& a, Outcome* oc) {
 
 static void run_applied(Apply& a, Outcome* oc) {
   auto t0 = Clock_::now();
-  Hold hold(a.plan != nullptr && !a.plan->hook_nodes.empty());  // NOTE [ Hooks on shared nodes ]
-  hold.enter();
-  Undo undo;  // (unhooks before `hold` lets go)
+  Undo undo;
   undo.off_ns = &oc->ns[5];
   if (a.plan != nullptr) {
     const NativePlan& P = *a.plan;
-    for (size_t h = 0; h < P.hook_nodes.size(); ++h) {
-      Node* node = P.found[P.hook_nodes[h]];
-      undo.keep.push_back(node->getptr());
-      undo.posts.emplace_back(node, node->add_post_hook(std::make_unique<ScaleHook>(P.hook_mults[h], undo.hook_ns)));
-    }
+    for (size_t h = 0; h < P.hook_nodes.size(); ++h)
+      undo.add_row(P.found[P.hook_nodes[h]], P.hook_mults[h]);  // NOTE [ Multipliers per graph task ]
     undo.token = push_running(a.plan_owner, py::object(), a.reading);
   }
   oc->ns[2] = ns_since(t0);
   t0 = Clock_::now();
   py::tuple roots = a.call.roots;
-  if (!a.binding.is_none()) roots = undo.bind_roots(a.call.roots, std::move(a.binding));
+  // Bound where a binding is needed, or where a task's hooks must find its
+  // rows or the rows of the task it runs inside (NOTE [ Multipliers per graph task ]).
+  if (!a.binding.is_none() || undo.key != 0 ||
+      (a.inherit && !keys_of_task(torch::autograd::get_current_graph_task_id()).empty()))
+    roots = undo.bind_roots(a.call.roots, std::move(a.binding));
   oc->ns[3] = ns_since(t0);
   call_torch(a.call.roots, roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
   oc->ns[4] = undo.hook_ns->load();
@@ -307,6 +307,7 @@ static py::object govern_nested(Node* current, const py::tuple& roots, const py:
   const Request req = nested_request(e, &gov_obj);
   if (!plan_into(a, req, gov_obj, &oc)) return declined("factors");
   const NativePlan& P = *a.plan;
+  a.inherit = P.enclosed_nodes > 0;  // (a recompute's graph, a checkpoint's: nodes of its own only)
   a.mults.assign(P.seeds.begin(), P.seeds.end());
   if (!make_seeds(a, &oc)) return declined("seed");
   oc.kind = kPlanned;

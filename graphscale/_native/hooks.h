@@ -1,124 +1,112 @@
-// hooks.h: what a governed backward puts on the graph and takes back: the
-// edge multiplier (ScaleHook), the lock that lets it hook shared nodes
-// (Hold), and the undo of everything (Undo).  Python twins:
-// graphscale/_routes/hooks.py post_hook, graphscale/_backward/sharing.py,
-// and the finally of graphscale/_routes/python.py _Backward.run.
+// hooks.h: what a governed backward puts on the graph and takes back: its
+// edge multipliers, rows of each node's one ScaleHook read by its own graph
+// task (task_keys), and the undo of everything (Undo).  Python twins:
+// graphscale/_routes/hooks.py post_hook and the finally of
+// graphscale/_routes/python.py _Backward.run.
 // Included once, in order, by walker.cpp (one translation unit).
 #pragma once
 
-// One edge multiplier row on one node: grad_inputs[k] (flowing along
-// next_edges[k]) times m.  What graphscale/_routes/hooks.py post_hook does.
+// NOTE [ Multipliers per graph task ]
+// A hook on a node applies to every graph task that runs the node, and a
+// node's hook lists are plain std::vectors that torch's engine iterates with
+// no lock and no GIL, on every thread that runs the node.  So a backward does
+// not add and remove its edge multipliers: each hooked node carries one
+// ScaleHook for good (added the first time a plan hooks the node, found
+// again after), and a backward adds its row (its multipliers, under its key)
+// to that hook and takes the row out when it ends.  The row is read only by
+// the backward's own graph task: the binding node in front of its roots
+// (bind.h) records graph task id -> key when the task starts (task_keys),
+// and the hook looks the running task up.  Another backward over the same
+// node, on another thread (retain_graph, one graph), a torch.autograd.grad,
+// or a backward after remove(), finds no row of its own and passes the
+// gradients on unchanged; nothing any other thread iterates moves, except
+// the first time a node gets its hook (as with any register_hook on a node a
+// backward is running: docs/contract.md, "Threads").  No backward waits for
+// another: graphscale holds no lock around any backward.  Python twin: the
+// Python route's node hooks (graphscale/_routes/hooks.py post_hook, which
+// check the task's binding), on torch's one hook dict per node.
+
+// The edge multipliers of one backward on one node: grad_inputs[k] (flowing
+// along next_edges[k]) times m, timed into `ns`.
+struct ScaleRow {
+  uint64_t key = 0;
+  std::vector<std::pair<int64_t, double>> mults;
+  std::shared_ptr<std::atomic<int64_t>> ns;
+};
+
+// A node's one multiplier hook: the rows of the backwards that hook it now,
+// each applied in its own graph task only.  What graphscale/_routes/hooks.py
+// post_hook does.
 class ScaleHook : public torch::autograd::FunctionPostHook {
  public:
-  ScaleHook(std::vector<std::pair<int64_t, double>> mults, std::shared_ptr<std::atomic<int64_t>> ns)
-      : mults_(std::move(mults)), ns_(std::move(ns)) {
-    GS_SEAM(++scale_made; ++scale_live;)
-  }
-  ~ScaleHook() override { GS_SEAM(--scale_live;) }
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
     const auto t0 = Clock_::now();
-    GS_SEAM(++scale_calls;
-            if (inject_failure_in.load(std::memory_order_relaxed) > 0 && inject_failure_in.fetch_sub(1) == 1)
-                throw std::runtime_error("graphscale: a hook failure injected by a test");)
-    torch::autograd::variable_list out(outputs);
-    for (const auto& km : mults_) {
-      const size_t k = static_cast<size_t>(km.first);
-      if (k < out.size() && out[k].defined()) out[k] = out[k].mul(km.second);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (rows_.empty()) return outputs;
     }
-    ns_->fetch_add(ns_since(t0), std::memory_order_relaxed);
+    const Keys keys = keys_of_task(torch::autograd::get_current_graph_task_id());
+    if (keys.empty()) return outputs;
+    std::vector<std::shared_ptr<const ScaleRow>> mine;  // in the order they were added (outer first)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& r : rows_)
+        if (std::find(keys.begin(), keys.end(), r->key) != keys.end()) mine.push_back(r);
+    }
+    if (mine.empty()) return outputs;
+    torch::autograd::variable_list out(outputs);
+    for (const auto& row : mine) {
+      GS_SEAM(++scale_calls;
+              if (inject_failure_in.load(std::memory_order_relaxed) > 0 && inject_failure_in.fetch_sub(1) == 1)
+                  throw std::runtime_error("graphscale: a hook failure injected by a test");)
+      for (const auto& km : row->mults) {
+        const size_t k = static_cast<size_t>(km.first);
+        if (k < out.size() && out[k].defined()) out[k] = out[k].mul(km.second);
+      }
+    }
+    mine.front()->ns->fetch_add(ns_since(t0), std::memory_order_relaxed);
     return out;
   }
 
- private:
-  std::vector<std::pair<int64_t, double>> mults_;
-  std::shared_ptr<std::atomic<int64_t>> ns_;
-};
-
-// NOTE [ Hooks on shared nodes ]
-// A node's hook lists are plain std::vectors that torch's engine iterates
-// with no lock and no GIL, on every thread that runs the node, and a hook on
-// a node applies to every graph task that runs it.  A backward whose plan
-// puts edge multipliers on nodes (several factors among the leaves one graph
-// reaches) adds them to those nodes' post-hooks and removes them after: were
-// another backward running over the same nodes at that moment, on another
-// thread (retain_graph, one graph), it would read the vector while it moves
-// (SIGSEGV: 5 threads on one two-factor graph died within 40 rounds) and
-// take those multipliers as its own (wrong gradients, on both routes).  So
-// every top-level backward graphscale sees (governed, untouched, and every
-// torch.autograd.grad while installed: graphscale/_backward/sharing.py)
-// holds this process-wide lock while torch runs it: shared by a backward
-// that changes no shared node, exclusive by one that hooks nodes.  Backwards
-// over separate graphs, and every backward of a graph with one factor, run
-// together as before; one that hooks runs alone.  A backward called from
-// inside a running graph task (reentrant checkpointing's recompute) takes
-// nothing: the backward it runs inside holds the lock for it, and waiting
-// there could wait for itself.  The nodes such a nested backward hooks are
-// those of the graph its node built, which no other backward reaches.  A
-// waiting thread lets go of the GIL; an exclusive waiter stops new shared
-// holders (a stream of overlapping backwards on other threads cannot starve
-// it).  The Python route holds the same lock (hold() below) once this
-// module is loaded, and a lock of its own before (sharing.py).
-struct HookLock {
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t shared = 0;
-  int64_t waiting = 0;  // exclusive waiters
-  bool exclusive = false;
-};
-HookLock hook_lock;
-
-struct Hold {
-  bool exclusive = false;
-  bool held = false;
-
-  explicit Hold(bool exclusive_) : exclusive(exclusive_) {}
-  Hold(const Hold&) = delete;
-  Hold& operator=(const Hold&) = delete;
-  ~Hold() { leave(); }
-
-  bool free_now() const {
-    return !hook_lock.exclusive && (exclusive ? hook_lock.shared == 0 : hook_lock.waiting == 0);
+  void add(std::shared_ptr<const ScaleRow> row) {
+    GS_SEAM(++scale_made; ++scale_live;)
+    std::lock_guard<std::mutex> lock(mu_);
+    rows_.push_back(std::move(row));
   }
-  void take() { exclusive ? (void)(hook_lock.exclusive = true) : (void)++hook_lock.shared; }
-
-  // Call with the GIL held; returns with it held.
-  void enter() {
-    if (held || torch::autograd::get_current_graph_task_id() >= 0) return;
-    {
-      std::lock_guard<std::mutex> lock(hook_lock.mu);
-      if (free_now()) {
-        take();
-        held = true;
-        return;
+  void remove(uint64_t key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = rows_.size(); i-- > 0;)
+      if (rows_[i]->key == key) {
+        rows_.erase(rows_.begin() + static_cast<std::ptrdiff_t>(i));
+        GS_SEAM(--scale_live;)
       }
-    }
-    py::gil_scoped_release nogil;  // the holder may need it to finish
-    std::unique_lock<std::mutex> lock(hook_lock.mu);
-    if (exclusive) ++hook_lock.waiting;
-    hook_lock.cv.wait(lock, [this] {
-      return !hook_lock.exclusive && (exclusive ? hook_lock.shared == 0 : hook_lock.waiting == 0);
-    });
-    if (exclusive) --hook_lock.waiting;
-    take();
-    held = true;
   }
-  void leave() {
-    if (!held) return;
-    held = false;
-    {
-      std::lock_guard<std::mutex> lock(hook_lock.mu);
-      exclusive ? (void)(hook_lock.exclusive = false) : (void)--hook_lock.shared;
-    }
-    hook_lock.cv.notify_all();
+
+  // `node`'s hook, added the first time (with the GIL held: only graphscale
+  // adds one, and it adds under the GIL).
+  static ScaleHook* of(Node* node) {
+    for (const auto& h : node->post_hooks())
+      if (auto* s = dynamic_cast<ScaleHook*>(h.get())) return s;
+    auto hook = std::make_unique<ScaleHook>();
+    ScaleHook* raw = hook.get();
+    node->add_post_hook(std::move(hook));
+    return raw;
   }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::shared_ptr<const ScaleRow>> rows_;
 };
+
+static bool overridable(py::handle roots);  // engine.h
 
 // Everything one governed backward added, taken back when it goes out of
 // scope (normal return or exception); runs with the GIL held.
 struct Undo {
-  std::vector<std::pair<Node*, uintptr_t>> posts;
-  std::vector<NodePtr> keep;  // the nodes hooked, alive until unhooked
+  std::vector<ScaleHook*> rows;  // the hooks this backward added a row to (under `key`)
+  std::vector<NodePtr> keep;  // the nodes hooked, alive (with their hooks) until the rows are out
+  uint64_t key = 0;  // this backward's rows and task (NOTE [ Multipliers per graph task ]); 0: none
   std::shared_ptr<BindState> bind;
   uint64_t token = 0;  // the registry entry (0: none)
   std::shared_ptr<std::atomic<int64_t>> hook_ns = std::make_shared<std::atomic<int64_t>>(0);
@@ -129,16 +117,18 @@ struct Undo {
   Undo& operator=(const Undo&) = delete;
   ~Undo() {
     const auto t0 = Clock_::now();
-    for (auto& pk : posts) pk.first->del_post_hook(pk.second);
+    for (ScaleHook* h : rows) h->remove(key);
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);  // a pending Python error survives the clean-up
     if (token != 0) pop_running(token);
     if (bind) {
-      std::vector<int> tasks;
+      std::vector<int> tasks, keyed;
       {
         std::lock_guard<std::mutex> lock(bind->mu);
         tasks.swap(bind->tasks);
+        keyed.swap(bind->keyed);
       }
+      forget_tasks(keyed);
       for (int tid : tasks) {
         PyObject* key = PyLong_FromLong(tid);
         if (key != nullptr && PyDict_DelItem(registry->by_task.ptr(), key) < 0) PyErr_Clear();
@@ -152,15 +142,65 @@ struct Undo {
     if (off_ns != nullptr) *off_ns = ns_since(t0);
   }
 
+  // Where torch's backward asks a __torch_function__ override (a mode is on),
+  // the roots handed to it must stay tensors, or the override is not asked
+  // (torch asks only for tensor roots): views of the roots, each a node of
+  // this backward's own whose pre-hook binds the task.  None where a root is
+  // not a plain strided tensor (the binding node then; the override is not asked).
+  py::object bind_views(const py::tuple& roots) {
+    for (size_t r = 0; r < roots.size(); ++r) {
+      PyObject* t = roots[r].ptr();
+      if (!THPVariable_Check(t) ||
+          (!THPVariable_CheckExact(t) && Py_TYPE(t) != reinterpret_cast<PyTypeObject*>(registry->param_type.ptr())))
+        return py::none();
+      const auto& var = THPVariable_Unpack(t);
+      if (var.layout() != at::kStrided || var.is_nested() || !var.requires_grad()) return py::none();
+    }
+    at::AutoGradMode grad_on(true);
+    py::tuple out(roots.size());
+    for (size_t r = 0; r < roots.size(); ++r) {
+      const auto& var = THPVariable_Unpack(roots[r].ptr());
+      at::Tensor view = var.view_as(var);
+      view.grad_fn()->add_pre_hook(std::make_unique<BindPreHook>(bind));
+      out[r] = py::reinterpret_steal<py::object>(THPVariable_Wrap(view));
+    }
+    return std::move(out);
+  }
+
+  // This backward's rows: `mults` on `node` under a key of its own.
+  void add_row(Node* node, const std::vector<std::pair<int64_t, double>>& mults) {
+    if (key == 0) key = next_key.fetch_add(1, std::memory_order_relaxed);
+    auto row = std::make_shared<ScaleRow>();
+    row->key = key;
+    row->mults = mults;
+    row->ns = hook_ns;
+    keep.push_back(node->getptr());
+    ScaleHook* hook = ScaleHook::of(node);
+    hook->add(std::move(row));
+    rows.push_back(hook);
+  }
+
   // Bind the graph task of a backward of `roots` to `binding`: the roots to
   // hand torch instead, GradientEdges to a BindNode of this backward's own
   // (NOTE [ Binding without touching a shared node ]).  `roots`: tensors
   // that need a gradient, or GradientEdges.
+  // `binding` None: the task is only keyed (its rows and the rows of the
+  // tasks it runs inside read: NOTE [ Multipliers per graph task ]).
   py::tuple bind_roots(const py::tuple& roots, py::object binding) {
-    GS_SEAM(if (!may_bind.load()) return roots;)
+    GS_SEAM(if (!may_bind.load()) binding = py::none();)  // (the test seam unbinds; the rows' keys stay)
     PyObject* edge_type = registry->edge_type.ptr();  // torch.autograd.graph.GradientEdge (configure)
     bind = std::make_shared<BindState>();
-    bind->binding = binding.release().ptr();
+    if (key != 0) bind->keys.push_back(key);
+    for (uint64_t k : keys_of_task(torch::autograd::get_current_graph_task_id())) bind->keys.push_back(k);
+    if (binding.is_none() && bind->keys.empty()) {
+      bind.reset();
+      return roots;
+    }
+    if (!binding.is_none()) bind->binding = binding.release().ptr();
+    if (overridable(roots)) {
+      py::object views = bind_views(roots);
+      if (!views.is_none()) return views;
+    }
     torch::autograd::edge_list edges;
     edges.reserve(roots.size());
     for (size_t r = 0; r < roots.size(); ++r) {

@@ -53,7 +53,7 @@
 // graphscale/_backward/native_backend.py NativeBackend.configure hands them over).
 struct Registry {
   py::object by_task;      // graphscale._backward.running.bindings: graph task id -> Binding
-  py::object original;     // torch.autograd.backward as torch defined it (graphscale._backward.sharing.ORIGINAL_BACKWARD)
+  py::object original;     // torch.autograd.backward as torch defined it (graphscale._backward.overrides.ORIGINAL_BACKWARD)
   py::object param_type;   // torch.nn.Parameter
   py::object carries_attr; // graphscale._backward.frames.CARRIES_ATTR: what a root's seed carries already
   py::object innermost;    // graphscale._backward.frames.innermost: this thread's top-level on_failure list
@@ -83,7 +83,7 @@ static void configure(py::object by_task, py::object original, py::object param_
 // The test build only (graphscale/_native/build.py, variant "seams";
 // tests/helpers/seams.py loads it): hooks made and alive of each kind, ScaleHook
 // calls (hook_tally); the ScaleHook call that takes inject_failure_in to 0
-// throws (0: none does); may_bind False: no graph task is bound (tests that
+// throws (0: none does); may_bind False: no graph task is bound to a Binding (tests that
 // break the binding on purpose).
 static std::atomic<int64_t> inject_failure_in{0};
 static std::atomic<int64_t> scale_made{0}, scale_live{0}, bind_made{0}, bind_live{0}, scale_calls{0};

@@ -22,10 +22,10 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -104,11 +104,11 @@ static void def_running(py::module_& m) {
         self.undo.reset();
         self.roots = py::tuple();  // the BindNode goes with the last reference to them
       });
-  m.def("bound", &make_bound);
-  py::class_<Hold>(m, "Hold", py::module_local())  // NOTE [ Hooks on shared nodes ], for the Python route
-      .def(py::init<bool>())
-      .def("__enter__", [](Hold& self) { self.enter(); })
-      .def("__exit__", [](Hold& self, py::args) { self.leave(); });
+  m.def("bound", &make_bound, py::arg("roots"), py::arg("binding"), py::arg("key") = 0);
+  // NOTE [ Multipliers per graph task ], for the Python route's hooks
+  m.def("new_key", [] { return next_key.fetch_add(1, std::memory_order_relaxed); });
+  m.def("task_has", [](uint64_t key) { return task_has_key(torch::autograd::get_current_graph_task_id(), key); });
+  m.def("task_keyed", [] { return !keys_of_task(torch::autograd::get_current_graph_task_id()).empty(); });
 }
 
 // NOTE [ Two entries without pybind11's dispatcher ]

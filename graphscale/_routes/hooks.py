@@ -15,11 +15,17 @@ from .._core import observation as _observation
 __all__ = ["post_hook"]
 
 
-def post_hook(mults: tuple[tuple[int, float], ...], laps: _observation.Laps | None) -> Callable[..., Any]:
+def post_hook(mults: tuple[tuple[int, float], ...], laps: _observation.Laps | None, key: int = 0,
+              task_has: Callable[[int], bool] | None = None) -> Callable[..., Any]:
     """A ``Node.register_hook`` post-hook multiplying ``grad_inputs[k]`` by
-    ``m`` for each ``(k, m)`` of ``mults`` (None stays None); timed into
-    ``laps``' "hook calls" phase when a phase recorder is active."""
+    ``m`` for each ``(k, m)`` of ``mults`` (None stays None), in the graph
+    tasks that read ``key`` only (``task_has(key)``; key 0: in every task,
+    under compiled autograd, which has no graph task to ask); timed into
+    ``laps``' "hook calls" phase when a phase recorder is active.  (See NOTE
+    [ Multipliers per graph task ] in _native/hooks.h.)"""
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        if key and not task_has(key):  # type: ignore[misc]
+            return grad_inputs  # another backward over this node: not this backward's multipliers
         out = list(grad_inputs)
         for k, m in mults:
             g = out[k]

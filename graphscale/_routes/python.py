@@ -18,7 +18,6 @@ from torch.autograd.graph import GradientEdge
 
 from .._backward import decide as _decide
 from .._backward import running as _running
-from .._backward import sharing as _sharing
 from .._backward.backend import Plan
 from .._backward.call import BackwardCall
 from .._backward.frames import CARRIES_ATTR, Frame
@@ -87,26 +86,29 @@ class _Backward:
             edge_hooks: Sequence[tuple[Any, Any]] = ()) -> None:
         """The original backward with ``seeds``, bound as :func:`running.binding_for`
         says; with ``plan`` registered for nested backwards and ``edge_hooks``
-        ((node, multipliers) pairs) on their nodes while it runs, taken off in
-        ``finally``; holding the lock of NOTE [ Hooks on shared nodes ]."""
+        ((node, multipliers) pairs) on their nodes while it runs, read in its
+        own graph task only, taken off in ``finally``.
+        (See NOTE [ Multipliers per graph task ] in _native/hooks.h.)"""
         # a fast path's nested backwards are planned with the snapshot's Governor where there is one
         governor = None if potential is None else _route.nested_governor(self.reading.state)
         hooks = True if plan is None else plan.tensor_hooks
         binding = _running.binding_for(self.reading, hooks, potential, self.on_failure, governor)
-        with _sharing.hold(bool(edge_hooks) or _running.binds_shared_nodes(binding)):
-            if plan is None:
-                return self.call.run(binding, seeds, self.laps)
-            handles = []
-            try:
-                for node, mults in edge_hooks:
-                    handles.append(node.register_hook(post_hook(mults, self.laps)))
-                with _running.running_plan(plan, self.reading):
-                    self.lap("hooks on")
-                    self.call.run(binding, seeds, self.laps)
-            finally:
-                for h in handles:
-                    h.remove()
-                self.lap("hooks off")
+        if plan is None:
+            return self.call.run(binding, seeds, self.laps)
+        assert self.call.roots is not None
+        bound, key = _running.bound_with_rows(self.call.roots, binding, bool(edge_hooks))
+        has = _running.state.task_has
+        handles = []
+        try:
+            for node, mults in edge_hooks:
+                handles.append(node.register_hook(post_hook(mults, self.laps, key, has)))
+            with _running.running_plan(plan, self.reading):
+                self.lap("hooks on")
+                self.call.run(binding, seeds, self.laps, bound)
+        finally:
+            for h in handles:
+                h.remove()
+            self.lap("hooks off")
         return None
 
 

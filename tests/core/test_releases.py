@@ -91,7 +91,7 @@ def test_a_tested_torch_gets_no_warning(fresh: None) -> None:
 
 def _drop_post_hook_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch that ignores what a node post-hook returns (the piece the Python route's edge multipliers use)."""
-    def post_hook(mults: Any, laps: Any) -> Callable[..., None]:
+    def post_hook(mults: Any, laps: Any, *task: Any) -> Callable[..., None]:
         return lambda grad_inputs, grad_outputs: None
 
     monkeypatch.setattr(_python_route, "post_hook", post_hook)

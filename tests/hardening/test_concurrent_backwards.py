@@ -20,10 +20,12 @@ graph runs through a custom Function, so that its backwards are bound);
 the separate-graphs case passed there (each thread's nodes are its own).
 
 The last scenario, several factors on one shared graph (the plan hooks
-shared nodes; NOTE [ Hooks on shared nodes ] in hooks.h), died of SIGSEGV
-in its first round on the native route before that lock, and gave relative
+shared nodes), died of SIGSEGV in its first round on the native route while
+each backward added and removed its hooks with no lock, and gave relative
 errors of 0.75-0.81 on the Python route (ungoverned ``autograd.grad`` threads
-took the governed backward's multipliers).
+took the governed backward's multipliers); now each node keeps one hook whose
+rows each graph task reads for itself (NOTE [ Multipliers per graph task ] in
+_native/hooks.h), and no lock is held.
 """
 from __future__ import annotations
 
@@ -75,6 +77,6 @@ def test_concurrent_backwards_never_crash_and_stay_exact(scenario: str) -> None:
 @pytest.mark.parametrize("scenario", list(concurrent_backwards.SCENARIOS))
 def test_concurrent_backwards_stay_exact_without_the_native_module(scenario: str) -> None:
     """The native walker disabled (a machine that cannot build it): the
-    Python route alone, with its own lock and its own binding, which puts a
-    pre-hook on shared root nodes (NOTE [ Hooks on shared nodes ])."""
+    Python route alone, with its own binding (a view of each plain tensor
+    root; a pre-hook on the node of any other root)."""
     _assert_clean(_run(scenario, walker="python"), len(concurrent_backwards.PYTHON_SETTINGS))

@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
     # _backward/: what a governed backward is made of
     ("_backward", "_backward.overrides", "_backward.gate", "_backward.dynamo", "_backward.frames", "_backward.hints",
      "_backward.backend"),
-    ("_backward.sharing", "_backward.python_backend", "_backward.native_backend", "_backward.unreached"),
+    ("_backward.python_backend", "_backward.native_backend", "_backward.unreached"),
     ("_backward.running",),
     ("_backward.call", "_backward.decide"),
     # _routes/: the native route, the Python route, the self-test of one against the other

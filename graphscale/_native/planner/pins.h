@@ -89,6 +89,7 @@ inline bool Planner::pin() {
       if (!S.is_leaf[o] && seen_phi(P.found[o], &seen)) {
         trivial = put(o, seen) && trivial;
         S.enclosed[o] = 1;
+        ++P.enclosed_nodes;
       }
     }
   }

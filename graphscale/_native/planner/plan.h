@@ -38,6 +38,7 @@ struct Plan {
   std::vector<int64_t> phase_ns;  // Clock: discover, pin, order, bottom_up, top_down, multipliers
   int64_t owned_leaves = 0;
   int64_t custom_nodes = 0;
+  int64_t enclosed_nodes = 0;  // non-leaf nodes an enclosing plan hooks already (a nested backward through its graph)
   bool tensor_hooks = false;  // some non-leaf node has tensor hooks (a DeepSpeed output hook among them?)
   std::vector<char> reached;
   std::vector<int64_t> unowned_param_pos;
