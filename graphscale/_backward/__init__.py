@@ -1,3 +1,3 @@
 """What a governed backward is made of: the call read once, the caller's
 frame, the one gate, the decision (left alone, fast path, plan), the running
-state and its two backends, the lock for shared nodes, checkpoint hints."""
+state and its two backends, checkpoint hints."""

@@ -88,6 +88,7 @@ class ScaleHook : public torch::autograd::FunctionPostHook {
   static ScaleHook* of(Node* node) {
     for (const auto& h : node->post_hooks())
       if (auto* s = dynamic_cast<ScaleHook*>(h.get())) return s;
+    GS_SEAM(++scale_hooks;)
     auto hook = std::make_unique<ScaleHook>();
     ScaleHook* raw = hook.get();
     node->add_post_hook(std::move(hook));

@@ -81,12 +81,13 @@ static void configure(py::object by_task, py::object original, py::object param_
 
 #ifdef GRAPHSCALE_TEST_SEAMS
 // The test build only (graphscale/_native/build.py, variant "seams";
-// tests/helpers/seams.py loads it): hooks made and alive of each kind, ScaleHook
-// calls (hook_tally); the ScaleHook call that takes inject_failure_in to 0
+// tests/helpers/seams.py loads it): multiplier rows and binding hooks made and
+// alive, ScaleHook calls, ScaleHooks added to nodes (hook_tally); the ScaleHook call that takes inject_failure_in to 0
 // throws (0: none does); may_bind False: no graph task is bound to a Binding (tests that
 // break the binding on purpose).
 static std::atomic<int64_t> inject_failure_in{0};
 static std::atomic<int64_t> scale_made{0}, scale_live{0}, bind_made{0}, bind_live{0}, scale_calls{0};
+static std::atomic<int64_t> scale_hooks{0};  // ScaleHooks added to nodes (each node's first)
 static std::atomic<bool> may_bind{true};
 #define GS_SEAM(...) __VA_ARGS__
 #else

@@ -234,7 +234,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef GRAPHSCALE_TEST_SEAMS
   m.attr("seams") = true;
   m.def("hook_tally", []() {
-    return py::make_tuple(scale_made.load(), scale_live.load(), bind_made.load(), bind_live.load(), scale_calls.load());
+    return py::make_tuple(scale_made.load(), scale_live.load(), bind_made.load(), bind_live.load(), scale_calls.load(),
+                          scale_hooks.load());
   });
   m.def("_inject_hook_failure", [](int64_t call) { inject_failure_in.store(call); });  // the call-th from now throws
   m.def("_set_may_bind", [](bool on) { may_bind.store(on); });

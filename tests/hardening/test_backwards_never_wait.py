@@ -24,6 +24,7 @@ from torch import nn
 import graphscale
 from graphscale._backward import gate as _gate
 
+from helpers import seams
 from helpers.paths import WORKERS
 from helpers.ranks import child_env
 from helpers.workers.unrelated_backward import WAIT_S
@@ -219,3 +220,27 @@ def test_a_node_hooked_by_a_governed_backward_multiplies_nothing_after_it(route:
     pair.a.weight.grad = pair.b.weight.grad = None
     loss.backward()
     assert all(torch.allclose(g, w, rtol=1e-6, atol=1e-7) for g, w in zip(pair.grads(), plain))  # type: ignore[arg-type]
+
+
+def test_only_a_nodes_first_governed_backward_changes_its_hook_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exposure that remains (NOTE [ Multipliers per graph task ]): a
+    node's hook list grows once, when a plan first hooks it; every later
+    backward over it adds and takes out a row of that hook only, and none is
+    left behind (the native route's count, from its test build)."""
+    native = seams.swap_in(monkeypatch)
+    pair = _Pair(0)
+    plain = pair.plain()
+    with _gate.route_override(True), graphscale.install(*pair.groups):
+        loss = pair.loss()
+        before = native.hook_tally()  # (rows made, rows alive, bindings made, alive, calls, hooks added)
+        loss.backward(retain_graph=True)
+        first = native.hook_tally()
+        for _ in range(4):
+            loss.backward(retain_graph=True)
+        after = native.hook_tally()
+    hooked = first[5] - before[5]
+    assert hooked >= 1, "the plan hooked no node: the test would pass without the rows"
+    assert after[5] == first[5], "a later backward added a hook to a node again"
+    assert after[0] - first[0] == 4 * (first[0] - before[0]) >= 4 * hooked  # a row per backward per node
+    assert after[1] == before[1], "a row was left behind"
+    assert _exact(pair.grads(), plain, times=5)
