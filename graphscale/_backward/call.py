@@ -100,9 +100,8 @@ class BackwardCall(NamedTuple):
         reads multiplier rows is bound to read them too.
         (See NOTE [ Which snapshot an output hook obeys ] in _backward/running.py,
         NOTE [ Multipliers per graph task ] in _native/hooks.h.)"""
-        if self.roots is not None and bound is None and binding is None and _task_id() >= 0 and \
-                _running.state.task_keyed():
-            bound = _running.bound(self.roots, None)
+        if self.roots is not None and bound is None and binding is None and _task_id() >= 0:
+            bound, _ = _running.bound_with_rows(self.roots, None, False)  # (None: nothing to inherit)
         if (binding is None and bound is None) or self.roots is None:
             if laps:
                 laps("bind")  # nothing to bind: the lap closes what came before, as below

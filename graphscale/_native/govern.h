@@ -114,9 +114,9 @@ static void run_applied(Apply& a, Outcome* oc) {
   py::tuple roots = a.call.roots;
   // Bound where a binding is needed, or where a task's hooks must find its
   // rows or the rows of the task it runs inside (NOTE [ Multipliers per graph task ]).
-  if (!a.binding.is_none() || undo.key != 0 ||
-      (a.inherit && !keys_of_task(torch::autograd::get_current_graph_task_id()).empty()))
-    roots = undo.bind_roots(a.call.roots, std::move(a.binding));
+  const Keys inherited = a.inherit ? keys_of_task(torch::autograd::get_current_graph_task_id()) : Keys();
+  if (!a.binding.is_none() || undo.key != 0 || !inherited.empty())
+    roots = undo.bind_roots(a.call.roots, std::move(a.binding), &inherited);
   oc->ns[3] = ns_since(t0);
   call_torch(a.call.roots, roots, a.seeds, a.call.retain_graph, a.call.create_graph, a.call.inputs);
   oc->ns[4] = undo.hook_ns->load();

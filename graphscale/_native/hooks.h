@@ -187,12 +187,14 @@ struct Undo {
   // that need a gradient, or GradientEdges.
   // `binding` None: the task is only keyed (its rows and the rows of the
   // tasks it runs inside read: NOTE [ Multipliers per graph task ]).
-  py::tuple bind_roots(const py::tuple& roots, py::object binding) {
+  // `inherited`: the keys of the task it runs inside, if the caller read them already.
+  py::tuple bind_roots(const py::tuple& roots, py::object binding, const Keys* inherited = nullptr) {
     GS_SEAM(if (!may_bind.load()) binding = py::none();)  // (the test seam unbinds; the rows' keys stay)
     PyObject* edge_type = registry->edge_type.ptr();  // torch.autograd.graph.GradientEdge (configure)
     bind = std::make_shared<BindState>();
     if (key != 0) bind->keys.push_back(key);
-    for (uint64_t k : keys_of_task(torch::autograd::get_current_graph_task_id())) bind->keys.push_back(k);
+    const Keys outer = inherited != nullptr ? Keys() : keys_of_task(torch::autograd::get_current_graph_task_id());
+    for (uint64_t k : inherited != nullptr ? *inherited : outer) bind->keys.push_back(k);
     if (binding.is_none() && bind->keys.empty()) {
       bind.reset();
       return roots;
