@@ -25,7 +25,11 @@ each backward added and removed its hooks with no lock, and gave relative
 errors of 0.75-0.81 on the Python route (ungoverned ``autograd.grad`` threads
 took the governed backward's multipliers); now each node keeps one hook whose
 rows each graph task reads for itself (NOTE [ Multipliers per graph task ] in
-_native/hooks.h), and no lock is held.
+_native/hooks.h), and no lock is held.  The shared-graph scenarios hook the
+graph with one governed backward first, alone: the first registration of a
+node's hook, while another thread runs that node's backward, is the exposure
+docs/contract.md ("Threads") documents (test_backwards_never_wait.py pins
+it); under ASan, CI met it once there as a SIGSEGV in torch's engine.
 """
 from __future__ import annotations
 

@@ -186,22 +186,33 @@ def several_factors_on_one_shared_graph(w: World, fa: float, fb: float) -> list[
     """One shared graph reaching A and B (several factors: the plan puts edge
     multipliers on its nodes), every thread on it at once: governed
     ``backward(retain_graph=True)``, some with ``inputs=``, and ungoverned
-    ``torch.autograd.grad`` over the same nodes, which must see no multiplier."""
+    ``torch.autograd.grad`` over the same nodes, which must see no multiplier.
+
+    One governed backward of each style runs first, alone: the first time a
+    node gets its multiplier hook, torch's vector of that node's hooks grows,
+    and a thread running that node at that moment could read it while it
+    moves -- the one exposure left, as with any ``register_hook``
+    (docs/contract.md, "Threads"; under AddressSanitizer this scenario died
+    of SIGSEGV in torch's ``evaluate_function`` when the threads met it).
+    Every backward after that touches only the hook's rows."""
     h = torch.tanh(w.A(w.x))
     out = (w.B(h) * 0.5).sum() + h.pow(2).sum()
     pa, pb = list(w.A.parameters()), list(w.B.parameters())
     plain = torch.autograd.grad(out, pa + pb, retain_graph=True)
     got: list[tuple[torch.Tensor, ...]] = []
     n_bw = THREADS // 2 + 1
-    work = [lambda: out.backward(retain_graph=True)] * (n_bw - 1) + [
-        lambda: torch.autograd.backward(out, inputs=pa + pb, retain_graph=True)] + [
+    styles = [lambda: out.backward(retain_graph=True),
+              lambda: torch.autograd.backward(out, inputs=pa + pb, retain_graph=True)]
+    for first in styles:
+        first()
+    work = [styles[0]] * (n_bw - 1) + [styles[1]] + [
         lambda: got.append(torch.autograd.grad(out, pa + pb, retain_graph=True))] * (THREADS - n_bw)
     errors = run_threads(work)
     for k, g in enumerate(got):
         errors += [e for i, p in enumerate(g) for e in close(f"autograd.grad #{k} [{i}]", p, plain[i])]
     for i, p in enumerate(pa + pb):
         f = fa if i < len(pa) else fb
-        errors += close(f"{'AB'[i >= len(pa)]}[{i}].grad", p.grad, n_bw * f * plain[i])
+        errors += close(f"{'AB'[i >= len(pa)]}[{i}].grad", p.grad, (n_bw + len(styles)) * f * plain[i])
     return errors
 
 
