@@ -11,8 +11,8 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any, Callable
 
-__all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_calls", "adapter_backward_frame",
-           "adapter_backward_caller", "scaling_enabled"]
+__all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_calls",
+           "adapter_backward_frame", "adapter_backward_caller", "scaling_enabled"]
 
 # NOTE [ A backward that raised ]
 # torch runs no queued callback of a graph task that raised, and leaves in
@@ -23,7 +23,7 @@ __all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_ca
 # its backward depth is raised; the engine's next backward then meets the
 # stale bucket (ZeRO 2: "has already been reduced"; ZeRO 3: a duplicate
 # ds_id assertion) or reduces nothing (KeyError in step()).  So each
-# top-level governed backward carries a list (``Frame.on_failure``), every
+# top-level governed backward carries a list (its ``Frame``, itself a list), every
 # binding in it shares that list (``Binding.on_failure`` in running.py, as it
 # shares ``once``), an adapter appends what ends its engine's part when that
 # part begins, and if the backward raises, everything appended runs, in
@@ -35,6 +35,12 @@ __all__ = ["CARRIES_ATTR", "Frame", "innermost", "adapter_backward", "adapter_ca
 # rest still run.  A binding made outside any top-level governed backward (a
 # reference pass) gets a list nobody runs.
 # (The DeepSpeed side: see NOTE [ An aborted backward counts for nothing ] in _adapters/deepspeed/failed.py.)
+# The same list carries what completes an engine's part when the backward
+# returns (``Frame.at_end``, the frame being that list): the epilogue that DeepSpeed would run from a
+# callback torch does not run there (ZeRO 0 queues none; compiled autograd
+# runs none), run by the governed backward itself as it returns, in order,
+# on the caller's thread (see NOTE [ Epilogues graphscale runs ] in
+# _adapters/deepspeed/ending.py).
 
 # A tensor that carries a factor already (an fp16 engine's ``engine.scale(loss)``)
 # has it in this attribute; a backward from it strips it (NOTE [ fp16 engines ]
@@ -45,7 +51,7 @@ CARRIES_ATTR = "_graphscale_carries"
 class _Local(threading.local):
     def __init__(self) -> None:
         self.adapter_calls: list[tuple[bool, float, Any]] = []  # adapter_backward frames, innermost last
-        self.failing: list[list[Callable[[], None]]] = []  # one per top-level governed backward, innermost last
+        self.failing: list[Frame] = []  # one per top-level governed backward, innermost last
 
 
 _local = _Local()
@@ -104,42 +110,54 @@ def scaling_enabled() -> bool:
     return stack[-1][0] if stack else True
 
 
-class Frame:
+class Frame(list):  # type: ignore[type-arg]
     """One top-level governed backward as its caller frames it: ``scaling``
     (False inside an :func:`adapter_backward` that turned the factors off),
     what its seeds carry already by default (``carries``), both read from the
-    innermost :func:`adapter_backward`; the list run if it raises
-    (``on_failure``, see NOTE [ A backward that raised ]), and its lap clock (``laps``, or None).
+    innermost :func:`adapter_backward`; its lap clock (``laps``, or None).
+    The frame is itself the list run if it raises (the bindings'
+    ``on_failure``, see NOTE [ A backward that raised ]; one object per
+    backward), and
+    ``at_end`` what runs when it returns (:meth:`when_returned`).
     (Whether compiled autograd captures it is the gate's question:
     ``gate.py``.)
 
-    Made on the thread that runs the backward, once per backward, and
-    ``on_failure`` is on that thread's stack (:func:`innermost`) from then
-    until :meth:`close`, which the governed backward calls once it ends (or,
-    where it ended without an error, pops ``stack`` itself); with the error
-    if it raised, and then everything appended to ``on_failure`` runs, in
-    order, before the error goes on.  (Not a context manager: a ``with``
-    costs two more Python calls on every backward, and the one caller,
-    entry.govern, has its ``try`` anyway.)"""
+    Made on the thread that runs the backward, once per backward, and on
+    that thread's stack (:func:`innermost`) from then until :meth:`close`,
+    which the governed backward calls once it ends (or, where it ended
+    without an error, pops ``stack`` itself and runs :meth:`finish` if
+    ``at_end`` holds anything); with the error if it raised, and then
+    everything appended to the frame runs, in order, before the error goes
+    on.  (Not a context manager: a ``with`` costs two more Python calls on
+    every backward, and the one caller, entry.govern, has its ``try``
+    anyway.)"""
 
-    __slots__ = ("scaling", "carries", "on_failure", "laps", "stack")
+    __slots__ = ("scaling", "carries", "laps", "stack", "at_end")
 
-    def __init__(self, laps: Any = None) -> None:
+    def __init__(self, laps: Any = None) -> None:  # (list's own __init__ not called: the list is empty)
         stack = _local.adapter_calls
         self.scaling, self.carries = stack[-1][:2] if stack else (True, 1.0)
         self.laps = laps
-        self.on_failure: list[Callable[[], None]] = []
+        self.at_end: list[Callable[[], None]] | None = None
         self.stack = _local.failing  # this thread's: the backward ends by popping it (close)
-        self.stack.append(self.on_failure)
+        self.stack.append(self)
+
+    def when_returned(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when this backward returns without an error."""
+        if self.at_end is None:
+            self.at_end = []
+        self.at_end.append(fn)
 
     def close(self, exc: BaseException | None = None) -> None:
         """The backward ended (``exc``: with that error): off this thread's
-        stack, and on an error, what was appended to ``on_failure`` run."""
+        stack; then, on an error, what was appended to the frame run, else
+        :meth:`finish`."""
         self.stack.pop()
-        todo = self.on_failure
-        if exc is None or not todo:
+        if exc is None:
+            self.finish()
             return
-        self.on_failure = []
+        todo, self.at_end = list(self), None
+        self.clear()
         for fn in todo:
             try:
                 fn()
@@ -147,8 +165,21 @@ class Frame:
                 exc.add_note(f"graphscale: after this error, completing an engine's backward raised too: "
                              f"{type(err).__name__}: {err}")
 
+    def finish(self) -> None:
+        """Run ``at_end`` (the backward returned), in order; each runs even
+        if one before it raised, and the first error is raised after."""
+        at_end, self.at_end = self.at_end or [], None
+        first: BaseException | None = None
+        for fn in at_end:
+            try:
+                fn()
+            except BaseException as err:
+                first = first or err
+        if first is not None:
+            raise first
+
 
 def innermost() -> list[Callable[[], None]]:
-    """The ``on_failure`` list of the innermost top-level governed backward
-    running on this thread, or a new one nobody runs."""
+    """The ``on_failure`` list (the :class:`Frame`) of the innermost top-level
+    governed backward running on this thread, or a new list nobody runs."""
     return _local.failing[-1] if _local.failing else []

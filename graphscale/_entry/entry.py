@@ -225,6 +225,8 @@ def govern(call: BackwardCall, state: _snapshot.State, native: Any) -> None:
         finally:
             if raised is None:
                 frame.stack.pop()  # (close() without its call: the usual end)
+                if frame.at_end is not None:  # epilogues graphscale runs itself (frames.py)
+                    frame.finish()
             else:
                 frame.close(raised)
                 raised = None  # (no cycle through this frame)

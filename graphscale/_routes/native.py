@@ -137,7 +137,7 @@ def govern_natively(call: BackwardCall, reading: Reading, frame: Frame, native: 
     assert call.grads is not None
     return _native_call(native.top, (gov, call.roots, list(call.grads), reading, reading.factor_list,
                                      (call.retain_graph, call.create_graph, call.inputs_arg), frame.carries,
-                                     frame.on_failure), frame.laps, reading, debug)
+                                     frame), frame.laps, reading, debug)
 
 
 def govern_nested_natively(call: BackwardCall, current_node: Any) -> bool:

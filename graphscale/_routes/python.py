@@ -74,7 +74,7 @@ class _Backward:
 
     def __init__(self, call: BackwardCall, reading: Reading, carries: Sequence[float], frame: Frame | None) -> None:
         self.call, self.reading, self.carries = call, reading, carries
-        self.on_failure = None if frame is None else frame.on_failure
+        self.on_failure = None if frame is None else frame
         self.laps: Laps | None = None if frame is None else frame.laps
         self.walk_seconds = 0.0
 
