@@ -29,8 +29,9 @@ from ._core.observation import (
     recording_walks,
 )
 from ._core.observation import declines as _declines
+from ._core.observation import refusals as _refusals
 
-__all__ = ["phases", "walks", "routes", "declines", "walker"]
+__all__ = ["phases", "walks", "routes", "declines", "refusals", "walker"]
 
 
 def phases(record: PhaseRecorder) -> AbstractContextManager[None]:
@@ -82,6 +83,18 @@ def declines() -> dict[str, int]:
     take, by reason (see :func:`routes`); the Python route governed them,
     exactly.  Empty while every backward was native."""
     return _declines()
+
+
+def refusals() -> dict[str, int]:
+    """How many calls graphscale refused in this process, by kind: setups
+    where DeepSpeed alone has no exact answer either (docs/contract.md,
+    "What graphscale refuses", lists each with what DeepSpeed alone does):
+    ``"compiled autograd, ZeRO 3"``, ``"compiled autograd, ZeRO 2 under
+    engine.compile"``, ``"compiled autograd, ungoverned direct backward"``,
+    ``"ZeRO 3 retry over a failed backward"``, ``"engine failed closed"``.
+    Each refusal raises :class:`graphscale.GraphscaleError` with its reason
+    and fix; this counts them."""
+    return _refusals()
 
 
 def walker(timeout: float | None = None) -> str:

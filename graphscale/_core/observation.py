@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 __all__ = ["ACTIVE", "recording_phases", "recording_walks", "recording_routes", "observing", "observer", "laps",
            "record_walk", "record_route", "routes_recorded", "walks_recorded", "declines", "unrecorded", "quiet",
-           "Laps", "watch"]
+           "Laps", "watch", "record_refusal", "refusals"]
 
 # The kinds of observation point:
 # * phase recorders, ``record(phase, seconds)``: graphscale's own time per
@@ -58,6 +58,7 @@ class _Active:
 ACTIVE = _Active()
 _watchers: list[Callable[[], None]] = []  # watch(): told after every change of ACTIVE
 _declined: dict[str, int] = {}  # reason -> backwards the Python route took for it, in this process
+_refused: dict[str, int] = {}  # kind -> setups graphscale refused, in this process (record_refusal)
 _quiet = threading.local()  # .on: this thread's backwards are graphscale's own (the route self-test)
 
 
@@ -152,6 +153,20 @@ def declines() -> dict[str, int]:
     """How many governed backwards the Python route took in this process, by reason."""
     with _lock:
         return dict(_declined)
+
+
+def record_refusal(kind: str) -> None:
+    """graphscale refused one call of a setup DeepSpeed alone cannot run
+    exactly either (``kind``: which; docs/contract.md, "What graphscale
+    refuses"): counted for the process."""
+    with _lock:
+        _refused[kind] = _refused.get(kind, 0) + 1
+
+
+def refusals() -> dict[str, int]:
+    """How many calls graphscale refused in this process, by kind."""
+    with _lock:
+        return dict(_refused)
 
 
 class unrecorded:

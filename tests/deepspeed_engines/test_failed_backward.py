@@ -132,8 +132,10 @@ def graphscale_does(stage: int, style: str, where: str, fail_at: int, engines: i
     ``.grad`` for good, so the engine fails closed at the retry's forward (or
     at the retry's backward over the retained graph); and ZeRO 3 cannot run a
     second backward over a graph whose backward ran, so graphscale refuses
-    that retry with the fix (retry with a new forward)."""
-    if (stage, style) == (3, "retained"):
+    that retry with the fix (retry with a new forward), unless the failed
+    backward reached none of the engine's gradients (``after_head``: the
+    engine's backward never began; exact, issue 50)."""
+    if (stage, style) == (3, "retained") and where != "after_head":
         return "refused"
     reached = where != "after_head" or engines == 2  # (with two engines the critic's gradients come first)
     if stage == 1 and fail_at == 1 and reached:

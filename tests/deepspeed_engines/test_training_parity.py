@@ -38,12 +38,11 @@ from helpers.training import (
     CHECKPOINTED_TWICE,
     FP16_CASES,
     Case,
-    deepspeed_alone,
     explain,
-    generation,
     run_case,
     training_cases,
 )
+from helpers.training_alone import deepspeed_alone, generation
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -18,7 +18,8 @@ import torch
 
 from helpers.engines import require_deepspeed
 from helpers.ranks import deepspeed_rank, finish, rank_results, run_ranks
-from helpers.training import TWO_RANK_CASES, WORLD, Case, deepspeed_alone, explain, generation, run_case
+from helpers.training import TWO_RANK_CASES, WORLD, Case, explain, run_case
+from helpers.training_alone import deepspeed_alone, generation
 
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
 

@@ -35,9 +35,14 @@ LR = 0.1
 # training through an overflow is tests/deepspeed_engines/test_fp16.py's.)
 # fp16 measured: weight change <= 0.0037, reduced gradient <= 0.028 (engine_twice, all stages and
 # calls, fp16 weights 8 steps away from the float32 reference); a wrong factor is above 0.5.
-TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 5e-2}
+# prescale / predivide: fp32 with DeepSpeed's gradient knobs, which change how the data-parallel
+# all-reduce divides (before it, by the world or by the factor, the rest after): exact either way.
+KNOBS: dict[str, dict[str, Any]] = {"prescale": {"prescale_gradients": True},
+                                    "predivide": {"gradient_predivide_factor": 2.0}}
+TOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 5e-2, "prescale": 1e-5, "predivide": 1e-5}
 SCALE_POWER = {"A": 6, "B": 3, "C": 5}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "prescale": torch.float32,
+          "predivide": torch.float32}
 WORLD = 2
 
 
@@ -129,28 +134,43 @@ CHECKPOINTED_TWICE = ["checkpointed_engine_twice", "checkpoint_around_engine_twi
 class Case:
     shape: str
     call: str  # "engine:A" (A.backward(loss)), "engine:B" or "loss" (loss.backward())
-    stage: int
+    stage: int  # A's ZeRO stage, and every engine's unless ``others`` says
     variant: str = "fp32"
+    others: int | None = None  # the ZeRO stage of the engines but A (mixed stages)
 
     @property
     def id(self) -> str:
-        return f"{self.shape}-{self.call.replace(':', '_')}-z{self.stage}-{self.variant}"
+        mixed = "" if self.others is None else f"-others_z{self.others}"
+        return f"{self.shape}-{self.call.replace(':', '_')}-z{self.stage}{mixed}-{self.variant}"
+
+    def stage_of(self, name: str) -> int:
+        return self.stage if name == "A" or self.others is None else self.others
 
 
 def training_cases(shapes: Any, calls: Any = ("engine:A", "loss"), stages: Any = (1, 2, 3),
-           variant: str = "fp32") -> list[Case]:
-    return [Case(s, c, st, variant) for s in shapes for c in calls for st in stages]
+           variant: str = "fp32", others: int | None = None) -> list[Case]:
+    return [Case(s, c, st, variant, others) for s in shapes for c in calls for st in stages]
 
 
 TWO_ENGINE_SHAPES = [s for s in SHAPES if s != "one_engine_twice" and s not in CHECKPOINTED_TWICE]
+# ZeRO 0 in every shape and call (issue 50), its variants and DeepSpeed's gradient knobs, and ZeRO 0 beside
+# ZeRO 3 (a ZeRO-3 actor A feeding a ZeRO-0 critic B, and the other way round).
+ZERO0_CASES = [
+    *training_cases([*TWO_ENGINE_SHAPES, *CHECKPOINTED_TWICE], ("engine:A", "loss"), (0,)),
+    *training_cases(["nested"], ("engine:B",), (0,)),
+    *(c for v in ("bf16", "prescale", "predivide")
+      for c in training_cases(["sum", "engine_twice"], ("engine:B", "loss"), (0,), v)),
+    *training_cases(["nested", "sum"], ("engine:A", "engine:B", "loss"), (3,), others=0),
+    *training_cases(["nested"], ("engine:A", "loss"), (0,), others=3),
+]
 CASES = [
     *training_cases(TWO_ENGINE_SHAPES),
     *training_cases(CHECKPOINTED_TWICE, stages=(1,)),
     *training_cases(["nested"], ("engine:B",)),
-    # ZeRO 0 supports engine.backward only, over the caller's own engine
-    *training_cases(["one_engine_twice"], ("engine:A",), (0, 1, 2, 3)),
-    *training_cases(["one_engine_twice"], ("loss",)),
+    *training_cases(["one_engine_twice"], ("engine:A", "loss"), (0, 1, 2, 3)),
     *training_cases(["engine_twice", "nested_engine_twice"], variant="bf16"),
+    # ZeRO 0, which DeepSpeed alone allows only through engine.backward over no other ZeRO-0 engine
+    *ZERO0_CASES,
 ]
 
 
@@ -161,51 +181,10 @@ TWO_RANK_CASES = [
     *training_cases(["nested"], ("engine:B",)),
     *training_cases(["one_engine_twice"], ("engine:A",), (0, 3)),
     *training_cases(["engine_twice", "nested_engine_twice"], stages=(3,), variant="bf16"),
+    *training_cases(["one_engine_twice", "engine_twice", "nested"], ("loss",), (0,)),
+    *(c for v in ("bf16", "prescale", "predivide") for c in training_cases(["sum"], ("engine:B", "loss"), (0,), v)),
+    *training_cases(["nested"], ("engine:A", "loss"), (3,), others=0),
 ]
-
-
-# ------------------------------------------------------------------ DeepSpeed alone, as measured
-def generation() -> str:
-    """'tracker' for DeepSpeed >= 0.19.6 (PR 8245), 'hooks' before it."""
-    import deepspeed.runtime.engine as eng
-
-    return "tracker" if hasattr(eng, "_ENGINE_BACKWARD_GRAPH_TRACKER") else "hooks"
-
-
-def deepspeed_alone(case: Case, gen: str, world: int) -> str:
-    """What DeepSpeed alone does to a case's training: "exact", "wrong" (it
-    trains, with some engine's factor wrong) or "raises" (step() fails).
-
-    * an engine's module called directly, or an engine nested in another
-      (whichever engine's backward is called),
-      gets the wrong factor in both generations (NOTE [ DeepSpeed's two
-      generations ]), and so does three_engines' B and C under A.backward on
-      the tracker generation (the whole loss divided by A's GAS);
-    * on the tracker generation a direct loss.backward() over two forwards of
-      one engine runs its prologue twice and its epilogue never (NOTE [ One
-      lifecycle per backward ]): step() raises.  A reentrant checkpoint
-      around an engine runs its forward under no_grad (no output hook) and
-      again in the nested backward: once, so that alone is exact.  Forwarded
-      outside the checkpoint too, its prologue runs in the outer and in the
-      nested graph task, each queueing an epilogue: on the hooks generation
-      the second epilogue fails (IndexError in ZeRO's partition epilogue);
-    * on the hooks generation, two ranks, ZeRO 3, a reentrant checkpoint inside
-      each engine under loss.backward() trains wrong in some runs and exactly
-      in others (measured: weight-change error 0.067, reduced gradient 0.27,
-      and 0.0 in another run; exact on one rank; not traced further:
-      graphscale is exact there in every run): "exact or wrong".
-    """
-    if (gen, case.shape, case.call, case.stage, world) == ("hooks", "checkpointed", "loss", 3, 2):
-        return "exact or wrong"
-    twice = case.shape in ("engine_twice", "nested_engine_twice", "three_engines", "one_engine_twice",
-                           *CHECKPOINTED_TWICE)
-    if case.call == "loss" and (gen == "tracker" and twice or case.shape == "checkpoint_around_engine_twice"):
-        return "raises"
-    wrong = {"engine_plus_module", "nested", "nested_engine_twice"}
-    if gen == "tracker" and case.call == "engine:A" and len(SHAPES[case.shape].engines) > 1:
-        wrong |= {"sum", "engine_twice", "three_engines", "checkpointed", "checkpoint_around_engines",
-                  *CHECKPOINTED_TWICE}
-    return "wrong" if case.shape in wrong else "exact"
 
 
 # ------------------------------------------------------------------ one run
@@ -281,7 +260,8 @@ def run_case(case: Case, rank: int, world: int, govern: bool, abort_first: bool 
         # clip 0: ZeRO clips to norm 1 unless told, the reference does not clip; fp16's hysteresis 1: an
         # overflow halves the scale at once
         fp16 = {"initial_scale_power": SCALE_POWER[n], "hysteresis": 1} if case.variant == "fp16" else None
-        cfg = ds_config(GAS[n], case.stage, micro_batch=3, clip=0.0, bf16=case.variant == "bf16", fp16=fp16)
+        cfg = ds_config(GAS[n], case.stage_of(n), micro_batch=3, clip=0.0, bf16=case.variant == "bf16", fp16=fp16,
+                        **KNOBS.get(case.variant, {}))
         engines[n], *_ = deepspeed.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), config=cfg)
     opts = {n: torch.optim.SGD(r.parameters(), lr=LR) for n, r in refs.items()}
     acc = {n: [torch.zeros_like(p) for p in r.parameters()] for n, r in refs.items()}

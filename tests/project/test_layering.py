@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, ...]] = [
     # _adapters/: above everything they plug into
     ("_adapters", "_adapters.deepspeed.reads", "_adapters.fsdp"),
     ("_adapters.deepspeed.checks", "_adapters.deepspeed.hooks", "_adapters.deepspeed.failed",
-     "_adapters.deepspeed.compiled"),
+     "_adapters.deepspeed.compiled", "_adapters.deepspeed.ending"),
     ("_adapters.deepspeed.engine", "_adapters.deepspeed.watch"),
     ("_adapters.deepspeed",),
     # the face

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from ..._backward.dynamo import eager
 from ..._backward.gate import compiled_autograd_active
 from ..._core.errors import GraphscaleError
+from ..._core.observation import record_refusal
 
 __all__ = ["prologue_under_compiled_autograd", "refuse_compiled_autograd"]
 
@@ -20,20 +21,25 @@ __all__ = ["prologue_under_compiled_autograd", "refuse_compiled_autograd"]
 # _EngineAdapter.prologue in _adapters/deepspeed/engine.py) runs DeepSpeed's
 # with dynamo disabled (prologue_under_compiled_autograd), and the adapter's
 # modules are on dynamo's skip list: the prologue runs once, eagerly, on the
-# real graph task, and nothing per backward is baked into a capture.  Where
-# DeepSpeed alone fails under compiled autograd (engine.backward at ZeRO 3;
-# under DeepSpeed's switch at ZeRO 2; a direct loss.backward() under torch's
-# switch), graphscale refuses with the reason before the engine's part of the
-# backward runs (refuse_compiled_autograd), not at install().
+# real graph task, and nothing per backward is baked into a capture.  torch
+# runs no queued callback there, so the epilogue of an engine a governed
+# direct backward reaches (loss.backward(), or the second engine of a shared
+# loss) is run by graphscale as the backward returns
+# (NOTE [ Epilogues graphscale runs ] in ending.py).  Where DeepSpeed alone fails under compiled
+# autograd even for one engine (ZeRO 3; ZeRO 2 under DeepSpeed's switch),
+# graphscale refuses with the reason before the engine's part of the backward
+# runs (refuse_compiled_autograd), not at install(); an ungoverned direct
+# backward of an installed engine (torch.autograd.grad) is refused too, since
+# nothing would run its epilogue.
 # Full record: docs/development.md, 'Under compiled autograd'.
 
 
-def prologue_under_compiled_autograd(engine: Any, deepspeeds_prologue: Callable[[], None], governed: bool) -> None:
+def prologue_under_compiled_autograd(engine: Any, deepspeeds_prologue: Callable[[], None], installed: bool) -> None:
     """``engine``'s backward prologue (DeepSpeed's, ``deepspeeds_prologue``)
-    while compiled autograd is on: run eagerly, with dynamo disabled; where
-    graphscale governs the engine (``governed``) and the backward is a direct
-    ``loss.backward()``, refused first."""
-    if governed and not getattr(engine, "_running_engine_backward", False):
+    in a backward that does not govern it, while compiled autograd is on: run
+    eagerly, with dynamo disabled; where the engine is ``installed`` and the
+    backward is a direct one (no epilogue would run), refused first."""
+    if installed and not getattr(engine, "_running_engine_backward", False):
         refuse_compiled_autograd(engine, "graphscale: a direct loss.backward()", direct=True)
     eager(deepspeeds_prologue)()
 
@@ -47,8 +53,9 @@ def refuse_compiled_autograd(engine: Any, where: str, direct: bool = False) -> N
     stage = engine.zero_optimization_stage()
     if direct:
         why = ("DeepSpeed's post-backward epilogue, which a direct backward queues with queue_callback, does not run "
-               "under compiled autograd, so the gradients are never reduced (DeepSpeed 0.19.8 alone: KeyError: 0 in "
-               "step(), measured at ZeRO 1 and 2).  Fix: call engine.backward(loss), which runs the epilogue itself")
+               "under compiled autograd, and this backward is not governed by graphscale (torch.autograd.grad?), so "
+               "the gradients would never be reduced (DeepSpeed 0.19.8 alone: KeyError: 0 in step(), measured at "
+               "ZeRO 1 and 2).  Fix: loss.backward() or engine.backward(loss), which graphscale governs")
     elif stage == 3:
         why = ("DeepSpeed 0.19.8 alone fails there mid-backward (compiled autograd's dynamic sizes do not match ZeRO "
                "3's partitioned parameters: 'AssertionError: 1 != 2', measured).  Fix: leave compiled autograd off "
@@ -60,6 +67,8 @@ def refuse_compiled_autograd(engine: Any, where: str, direct: bool = False) -> N
                "around engine.backward (exact at ZeRO 1 and 2), or ZeRO 1")
     else:
         return
+    record_refusal("compiled autograd, ungoverned direct backward" if direct else
+                   "compiled autograd, ZeRO 3" if stage == 3 else "compiled autograd, ZeRO 2 under engine.compile")
     raise GraphscaleError(f"{where} of a ZeRO {stage} engine under compiled autograd "
                 f"({'engine.compile(compiled_autograd_enabled=True)' if switch else 'torch'}): {why}.  "
                 "Nothing of this engine's backward ran.")

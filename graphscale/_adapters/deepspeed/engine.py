@@ -9,16 +9,19 @@ compiled autograd (``compiled.py``).
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
+from ..._backward.dynamo import eager
 from ..._backward.frames import CARRIES_ATTR, adapter_calls
 from ..._core.errors import GraphscaleError
 from ..._core.observation import ACTIVE, laps
 from .checks import check_engine
 from .compiled import prologue_under_compiled_autograd, refuse_compiled_autograd
-from .failed import Attempt, Drains, begin, deepspeed_recovers, discard, fail_closed, refuse_next
+from .ending import end_when_returned, prologue_as_engine_backward, refuses_direct
+from .failed import Attempt, Drains, begin, deepspeed_recovers, discard, fail_closed, reached, refuse_next
 from .hooks import PROLOGUE, SHADOWED, redirect_off, redirect_on
 from .hooks import attached as _attached
 from .hooks import lock as _lock
@@ -133,6 +136,9 @@ class _EngineAdapter:
         deepspeeds_epilogue = cls._backward_epilogue.__get__(engine, cls)
         self.deepspeeds_prologue = cls._backward_prologue.__get__(engine, cls)
         self.open, self.dead, self.ended, self.attempt, self.window, self.drains = False, None, False, None, -1, None
+        self.touched = True  # the last discarded backward reached some of the engine's gradients
+        self.refuses_direct = refuses_direct(engine)  # ZeRO 0: NOTE [ Epilogues graphscale runs ] in ending.py
+        self.ends: Any = None  # set by prologue_starts for the prologue that runs next: the backward's Frame
         adapter = self
 
         self.after_epilogue: list[Callable[[], None]] = []  # run once, after DeepSpeed's next epilogue
@@ -181,18 +187,37 @@ class _EngineAdapter:
 
     def prologue(self) -> None:
         """The engine's ``_backward_prologue`` while installed: DeepSpeed's,
-        eagerly under compiled autograd.
-        (See NOTE [ Under compiled autograd ] in _adapters/deepspeed/compiled.py.)"""
+        eagerly under compiled autograd; in a governed direct backward, as
+        ``engine.backward`` would run it, its epilogue due when the backward
+        returns where no callback of torch runs it.
+        (See NOTE [ Under compiled autograd ] in _adapters/deepspeed/compiled.py
+        and NOTE [ Epilogues graphscale runs ] in _adapters/deepspeed/ending.py.)"""
+        ends, self.ends = self.ends, None  # (not None: prologue_starts ran for this prologue)
+        engine = self.engine
         # compiled_autograd_active() (_backward/gate.py), inline: a copy kept for speed.  Its call is one more
         # Python call per engine and backward (benchmarks/cost.py --calls-only, issue 49: mixed-loss 42 -> 44,
         # mixed-engine 54 -> 57, one-engine 20 -> 21; the first two past the gate's margin of 3 % + 2).
         ca = sys.modules.get("torch._dynamo.compiled_autograd")
-        if ca is None or not (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region):
-            self.deepspeeds_prologue()
-        else:
-            prologue_under_compiled_autograd(self.engine, self.deepspeeds_prologue, self.active)
+        compiled = ca is not None and (ca.compiled_autograd_enabled or ca.in_compiled_autograd_region)
+        if ends is None or engine._running_engine_backward:  # ungoverned, or inside its own engine.backward
+            if not compiled:
+                self.deepspeeds_prologue()
+            else:
+                prologue_under_compiled_autograd(engine, self.deepspeeds_prologue, ends is None and self.active)
+        else:  # a governed direct backward
+            if compiled:
+                refuse_compiled_autograd(engine, "graphscale: a direct loss.backward()")
+            run = self.deepspeeds_prologue
+            if self.refuses_direct:
+                run = partial(prologue_as_engine_backward, engine, run)
+            if compiled:
+                eager(run)()
+            else:
+                run()
+            if compiled or self.refuses_direct:
+                end_when_returned(engine, ends, lambda: self.open)
         if self.open and self.drains is not None:  # a governed backward of the engine starts
-            self.attempt = begin(self.engine, self.drains, self.window == self.engine.global_steps)
+            self.attempt = begin(engine, self.drains, self.window == engine.global_steps)
 
     def prologue_starts(self, on_failure: list[Callable[[], None]]) -> None:
         """A governed backward runs this engine's prologue now (see
@@ -207,12 +232,13 @@ class _EngineAdapter:
             fail_closed(engine, self.name, self.dead)()
         if self.ended:  # after graphscale discarded a failed backward
             self.ended = False
-            refuse_next(engine)
+            refuse_next(engine, self.touched)
         if self.open and self.drains is not None:
             opt: Any = getattr(engine, "optimizer", None)
             if is_zero_optimizer(opt) and opt._backward_active_depth > 0:
                 opt.exit_backward()
         self.open, self.attempt = True, None  # (the prologue, next, takes the attempt's snapshot)
+        self.ends = on_failure
         on_failure.append(self.backward_failed)
         source = self.scale_source  # (read_scale() without its frame: None is a scale of 1)
         if source is not None and not getattr(engine, "_running_engine_backward", False) and float(source()) != 1.0:
@@ -228,6 +254,7 @@ class _EngineAdapter:
             self.open = False
             return
         self.open, self.ended, attempt, self.attempt = False, True, self.attempt, None
+        self.touched = reached(getattr(self.engine, "optimizer", None), attempt)
         try:
             why = discard(self.engine, attempt, self.drains)
         except Exception as err:  # becomes a note on the user's error (_backward/frames.py)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..._core.errors import GraphscaleError
+from ..._core.observation import record_refusal
 from .reads import is_zero_optimizer
 
-__all__ = ["Attempt", "Drains", "begin", "deepspeed_recovers", "discard", "fail_closed", "refuse_next"]
+__all__ = ["Attempt", "Drains", "begin", "deepspeed_recovers", "discard", "fail_closed", "reached", "refuse_next"]
 
 # NOTE [ An aborted backward counts for nothing ]
 # torch runs no queued callback of a graph task that raised, so DeepSpeed's
@@ -24,7 +25,8 @@ __all__ = ["Attempt", "Drains", "begin", "deepspeed_recovers", "discard", "fail_
 # at ZeRO 1 a gradient reached onto an earlier micro-step's .grad, measured
 # from begin()), makes the engine fail closed (fail_closed).  A DeepSpeed that
 # recovers by itself is left to it (deepspeed_recovers); at ZeRO 3 a retry
-# over the retained graph is refused (refuse_next).
+# over the retained graph of one that reached the engine's gradients is
+# refused (refuse_next).
 # Full record: docs/development.md, 'An aborted backward counts for nothing'.
 
 # The optimizer method that drains a reduction bucket, by ZeRO stage's class (stages 1 and 2 share one).
@@ -89,22 +91,31 @@ def _fired(opt: Any) -> int:
 begin = Attempt  # the snapshot :func:`discard` measures the attempt against (one call, once per engine and backward)
 
 
+def reached(opt: Any, attempt: Attempt | None) -> bool:
+    """Whether the aborted attempt reached any of the engine's gradients
+    (unknown without ZeRO's per-parameter hooks: assumed; no ``attempt``:
+    DeepSpeed's prologue did not finish, so none)."""
+    if attempt is None:
+        return False
+    hooked = is_zero_optimizer(opt) and bool(getattr(opt, "_grad_acc_hooks", None)) and hasattr(
+        opt, "_backward_hook_state")
+    return not hooked or _fired(opt) > attempt.fired
+
+
 def _permanent(opt: Any, attempt: Attempt | None, drains: Drains | None) -> str | None:
     """Why the aborted attempt may have changed the window for good, or None.
     No ``attempt``: DeepSpeed's prologue did not finish (it raised, e.g. the
     compiled-autograd refusal), so none of the engine's gradients was reached."""
     if attempt is None or drains is None:
         return None
-    zero = is_zero_optimizer(opt)
-    hooked = zero and bool(getattr(opt, "_grad_acc_hooks", None)) and hasattr(opt, "_backward_hook_state")
-    reached = not hooked or _fired(opt) > attempt.fired  # (unknown without ZeRO's per-parameter hooks: assumed)
+    zero, touched = is_zero_optimizer(opt), reached(opt, attempt)
     if zero and drains.watched and drains.count > attempt.drains:
         return "a reduction bucket was reduced during it, into the window's accumulated gradients"
-    if zero and not drains.watched and reached:
+    if zero and not drains.watched and touched:
         return "it reached gradients of a ZeRO optimizer whose reductions graphscale cannot watch"
     adds_on = _keeps_window_in_grad(opt) or hasattr(opt, "fp32_groups_has_gradients") or getattr(
         opt, "use_grad_accum_attribute", False)  # (bf16's fp32 accumulators; ZeRO 1's grad_accum)
-    if reached and attempt.earlier and adds_on:
+    if touched and attempt.earlier and adds_on:
         return "torch added the gradients it reached onto .grad, which holds this window's earlier micro-steps"
     return None
 
@@ -165,6 +176,7 @@ def fail_closed(engine: Any, name: str, why: str) -> Callable[..., Any]:
     stage = engine.zero_optimization_stage()
 
     def refused(*args: Any, **kwargs: Any) -> Any:
+        record_refusal("engine failed closed")
         raise GraphscaleError(
             f"graphscale: DeepSpeed engine {name} (ZeRO {stage}): an aborted backward already contributed to this "
             f"accumulation window ({why}), so it can no longer train exactly.  Fix: discard this engine, build a "
@@ -174,13 +186,16 @@ def fail_closed(engine: Any, name: str, why: str) -> Callable[..., Any]:
     return refused
 
 
-def refuse_next(engine: Any) -> None:
+def refuse_next(engine: Any, touched: bool) -> None:
     """The first governed prologue of ``engine`` after graphscale discarded
-    a failed backward of it: refuse it at ZeRO 3 when no forward ran since (a
-    retry over the retained graph).  Reads DeepSpeed's "backward seen this
-    step" mark, which each forward clears."""
+    a failed backward of it that reached some of its gradients (``touched``):
+    refuse it at ZeRO 3 when no forward ran since (a retry over the retained
+    graph).  Reads DeepSpeed's "backward seen this step" mark, which each
+    forward clears.  Where the failed backward reached none of them, the
+    engine's own backward never began, and the retry runs as a first one."""
     stage = engine.zero_optimization_stage()
-    if stage == 3 and getattr(engine.optimizer, "_backward_seen_this_step", False):
+    if touched and stage == 3 and getattr(engine.optimizer, "_backward_seen_this_step", False):
+        record_refusal("ZeRO 3 retry over a failed backward")
         raise GraphscaleError(
             "graphscale: a backward over the graph of this ZeRO 3 engine's backward that raised (retain_graph=True, "
             "no forward since): ZeRO 3 cannot run a second backward over a graph whose backward ran (DeepSpeed alone "
