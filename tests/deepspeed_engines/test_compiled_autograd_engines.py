@@ -3,7 +3,8 @@ an actor engine whose output feeds a critic engine, ``loss.backward()``,
 ``actor.backward(loss)`` or ``critic.backward(loss)``, under torch's switch
 and under DeepSpeed's ``engine.compile(compiled_autograd_enabled=True)``,
 ZeRO 0-2, eight micro-steps with ``step()``, weights against plain SGD
-(tests/helpers/ca_engines.py).
+(tests/helpers/ca_engines.py); on one rank, and on two with each rank's own
+batches against the rank-averaged reference.
 
 torch runs no queued callback under compiled autograd, so DeepSpeed's
 post-backward epilogue of every engine a direct backward reaches never ran
@@ -31,6 +32,7 @@ from graphscale import observe
 from helpers.ca_engines import CALLS, GAS, STEPS, SWITCHES, train
 from helpers.engines import HAVE_DEEPSPEED, ds_config, require_deepspeed
 from helpers.paths import WORKERS
+from helpers.ranks import rank_results, run_ranks
 
 pytest.importorskip("torch._dynamo.compiled_autograd")
 pytestmark = [pytest.mark.deepspeed, require_deepspeed]
@@ -115,3 +117,16 @@ def test_two_engines_under_compiled_autograd_are_refused_where_deepspeed_fails_f
     after = observe.refusals()
     assert after.get(kind, 0) == before.get(kind, 0) + 1 and sum(after.values()) == sum(before.values()) + 1, (
         before, after)
+
+
+# On two ranks, each rank on its own batches: the epilogue graphscale runs reduces across them.
+TWO_RANKS = [("torch", "loss", 0), ("torch", "loss", 1), ("torch", "engine:A", 2), ("deepspeed", "engine:B", 1)]
+
+
+@pytest.mark.multirank
+def test_two_engines_under_compiled_autograd_on_two_ranks_train_as_the_rank_averaged_reference() -> None:
+    runs = run_ranks([str(WORKERS / "ca_two_ranks.py"), json.dumps(TWO_RANKS), json.dumps(_configs())], world=2,
+                     env={"DS_ACCELERATOR": "cpu"})
+    for rank, got in enumerate(rank_results(runs)):
+        for case, r in got.items():
+            assert r["ok"] and r["err"] < 1e-5 and r["moved"] > 1e-3, (rank, case, r)

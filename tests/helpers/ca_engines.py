@@ -29,8 +29,14 @@ def _loss(m: dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor)
     return m["B"](h).sum() + h.pow(2).mean()
 
 
+def _batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11 + 1000 * rank)
+    return [torch.randn(2, 4, generator=g) for _ in range(STEPS)]
+
+
 def train(switch: str, call: str, stage: int, configs: dict[str, dict[str, Any]],
-          install: Callable[..., AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+          install: Callable[..., AbstractContextManager[Any]] | None = None, rank: int = 0,
+          world: int = 1) -> dict[str, Any]:
     """STEPS micro-steps with ``step()`` of both engines (ZeRO ``stage``,
     ``configs[name]`` each) under compiled autograd, switched on by
     ``switch`` (torch's ``_enable`` around the backward, or DeepSpeed's
@@ -38,7 +44,9 @@ def train(switch: str, call: str, stage: int, configs: dict[str, dict[str, Any]]
     as ``call``; inside ``install(A, B)`` where given.  Returns ``ok`` (it
     ran), ``error``, ``err`` (the weights' max relative error against plain
     SGD on the copies, each model's mean gradient over its window) and
-    ``captures`` (compiled autograd's, after each micro-step)."""
+    ``captures`` (compiled autograd's, after each micro-step).  On ``world``
+    ranks each rank trains on its own batches (``rank``'s), and the reference
+    averages the ranks' plain gradients, so a missing reduction shows."""
     import deepspeed
     import torch._dynamo
     import torch._dynamo.compiled_autograd as ca
@@ -57,8 +65,7 @@ def train(switch: str, call: str, stage: int, configs: dict[str, dict[str, Any]]
     opts = {n: torch.optim.SGD(r.parameters(), lr=0.1) for n, r in refs.items()}
     captures: list[int] = []
     out: dict[str, Any] = {"ok": True, "error": "", "err": None, "captures": captures}
-    torch.manual_seed(11)
-    batches = [torch.randn(2, 4) for _ in range(STEPS)]
+    batches = _batches(rank)
     try:
         with install(*engines.values()) if install is not None else nullcontext():
             for x in batches:
@@ -71,8 +78,10 @@ def train(switch: str, call: str, stage: int, configs: dict[str, dict[str, Any]]
     except Exception as exc:  # the outcome, recorded
         out.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         return out
-    for i, x in enumerate(batches):  # the reference
-        plain = torch.autograd.grad(_loss(refs, x), [p for r in refs.values() for p in r.parameters()])
+    every = [_batches(r) for r in range(world)]
+    for i in range(STEPS):  # the reference: the ranks' mean plain gradient, over each model's window
+        params = [p for r in refs.values() for p in r.parameters()]
+        plain = [sum(gs) / world for gs in zip(*(torch.autograd.grad(_loss(refs, b[i]), params) for b in every))]
         k = 0
         for n, r in refs.items():
             for p in r.parameters():
