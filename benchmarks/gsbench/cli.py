@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     ap.add_argument("--plot", metavar="PATH", default=None,
                     help="PNG bar chart of the overhead ratios (default benchmarks/overhead.png)")
     ap.add_argument("--no-plot", action="store_true", help="skip the plot")
+    ap.add_argument("--no-count", action="store_true",
+                    help="skip counting the rows' instructions under callgrind (verdicts then on the timed ratios)")
+    ap.add_argument("--count-child", metavar="PATH", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -59,11 +62,42 @@ def print_table(title: str, summaries: list[dict[str, Any]], meta: dict[str, Any
     print(title)
     print(report.table(summaries))
     print()
+    print(meta["counted"])
     for line in report.targets(summaries):
         print(line)
     if "hf_checkpoint_use_reentrant" in meta:
         print(f"HF2: transformers' gradient checkpointing with its default arguments: "
               f"use_reentrant={meta['hf_checkpoint_use_reentrant']}")
+
+
+QUICK_COUNTED = ("W1", "W2", "W5", "HF1")  # --quick counts these rows, at the first (launch-bound) size
+
+
+def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[dict[str, Any]]) -> str:
+    """Count the rows' instructions under callgrind (NOTE [ Counted rows ] in
+    gsbench/rowcounts.py) into ``summaries``; what was counted, or why not."""
+    from . import rowcounts
+
+    if args.no_count:
+        return "rows not counted (--no-count): verdicts on the timed ratios"
+    if args.device != "cpu":
+        return f"rows not counted on {args.device} (callgrind counts CPU instructions): verdicts on the timed ratios"
+    why = rowcounts.available()
+    if why is not None:
+        return f"rows not counted: {why}; verdicts on the timed ratios"
+    names = [w for w in wl_names if not args.quick or w in QUICK_COUNTED]
+    sizes = args.sizes.split(",")[0] if args.quick else args.sizes
+    t0 = time.perf_counter()
+    try:
+        rows = rowcounts.count_rows(sizes, args.quick, names, args.layers)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return "rows not counted (the counted run failed, above): verdicts on the timed ratios"
+    rowcounts.attach(summaries, rows)
+    reps = rowcounts.QUICK[1] if args.quick else rowcounts.REPS
+    return (f"counted: {len(rows)} row(s), instructions of one warm backward under callgrind, median of "
+            f"{reps} per implementation ({time.perf_counter() - t0:.0f} s); the verdicts below are "
+            "taken on the counted ratios, the timed ones are what a clock shows")
 
 
 def run_fixed_costs(sizes: list[Any], quick: bool, device: str) -> dict[str, Any]:
@@ -108,6 +142,11 @@ def write_outputs(args: argparse.Namespace, meta: dict[str, Any], summaries: lis
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     args = parse_args(argv, description)
+    if args.count_child:
+        from .rowcounts import child_main
+
+        names = workload_names(args.workloads)
+        return 2 if names is None else child_main(args.count_child, args.sizes, args.quick, names, args.layers)
     t_start = time.perf_counter()
     # Imported here, not at the top: --help answers without importing torch, and
     # nothing imports deepspeed before env.setup has checked its accelerator.
@@ -127,6 +166,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     meta = env.run_meta(args.device, args.threads, walker, build_s, sizes, reps, args.layers)
     summaries = timing.run_table(sizes, wl_names, reps, args.layers, args.device, meta)
     table_s = time.perf_counter() - t_start
+    meta["counted"] = run_counts(args, wl_names, summaries)
 
     title = title_of(meta, args.layers)
     print_table(title, summaries, meta)

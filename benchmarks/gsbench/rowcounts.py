@@ -1,0 +1,164 @@
+"""The table's rows, counted: the instructions of one warm backward of every
+row under each implementation, in a process under callgrind.
+
+NOTE [ Counted rows ]
+The timed ratio of a row swings by more than the 0.5-2 % its target allows
+(the same code minutes apart reads 0.72x then 0.92x on the tiny cases, and a
+row's min-max spans 0.6-1.8 on a shared 2-core machine).  What a backward
+executes does not move with the machine's load: one process, run under
+callgrind (the cost gate's counted region, NOTE [ The counted region ] in
+gsbench/region.py, and its still heap, NOTE [ A still heap ] in
+gsbench/cost_cli.py), builds the rows' engines as the timed table does
+(gsbench/workloads.py, seed 0), and for each row and implementation runs
+:data:`WARM` uncounted forward + backward pairs, then :data:`REPS` backwards
+of fresh forwards, each backward alone inside the counted region (the forward
+outside it).  A row's figure per implementation is the median over its
+counted backwards; its counted ratio is graphscale's (or leaf-hooks') over
+DeepSpeed alone's.  The verdicts of the main job are taken on these ratios
+(gsbench/report.py); the timed ratios stay beside them, as what a clock
+shows.
+
+Instructions are not time: a cache miss or a page fault costs hundreds of
+instructions' worth, and the counted ratio does not see them (the cache
+simulation, ``--cache-sim=yes``, is a separate study: docs/benchmark.md).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .spec import HF_SHAPES, HF_WORKLOADS, PROG, Size
+
+WARM = 2  # uncounted forward + backward pairs per row and implementation (the first install builds tables)
+REPS = 3  # counted backwards per row and implementation; the median is the figure
+QUICK = (1, 1)  # --quick: WARM, REPS (a row's counts repeat within ~0.1 %; every pair runs ~50x slower here)
+SCRIPT = Path(__file__).resolve().parent.parent / "overhead.py"
+
+
+def row_key(workload: str, hidden: int) -> str:
+    """How a row is named in the counts: its label in the table ("W5 h32")."""
+    return f"{workload} h{hidden}"
+
+
+# ----------------------------------------------------------------------------- the process under callgrind
+def _count_rows(wls: dict[str, Any], hidden: int, names: list[str], region: Any, regions: list[list[str]],
+                warm: int, reps: int) -> None:
+    """Every row of ``names`` over one family's engines: per implementation
+    ``warm`` uncounted pairs, then ``reps`` counted backwards."""
+    import torch
+
+    from .impls import ALL
+    from .workloads import zero_grads
+
+    gen = torch.Generator().manual_seed(1234)
+    for name in names:
+        wl = wls[name]
+        wl.checkpoint(True)
+        for cls in ALL:
+            impl = cls(wl)
+            with impl.round():
+                for _ in range(warm):
+                    impl.backward(wl.loss(wl.batch(gen), False))
+                for _ in range(reps):
+                    loss = wl.loss(wl.batch(gen), False)
+                    region.region(lambda loss=loss, impl=impl: impl.backward(loss))
+                    del loss
+                    regions.append([row_key(name, hidden), cls.name])
+        wl.checkpoint(False)
+        zero_grads(wl.engines)
+
+
+def child_main(out_path: str, sizes: str, quick: bool, names: list[str], layers: int) -> int:
+    """``overhead.py --count-child PATH ...``: every requested row, each
+    implementation's counted backwards (NOTE [ Counted rows ]); writes which
+    row and implementation each counted region was, in order.  Every
+    family's engines are built before callgrind's instrumentation starts
+    (DeepSpeed's set-up runs several times faster uninstrumented)."""
+    import gc
+
+    from . import env
+    from .region import Region
+    from .spec import make_sizes
+    from .workloads import family_workloads
+
+    if not env.setup("cpu", threads=1):
+        return 2
+    walker = env.wait_for_walker()
+    region = Region()
+    tower = [w for w in names if w not in HF_WORKLOADS]
+    hf = [w for w in names if w in HF_WORKLOADS and env.have_transformers()]
+    built = []
+    for size in make_sizes(sizes, quick):
+        if tower:
+            built.append((family_workloads("tower", layers, size, "cpu"), size.hidden, tower))
+        if hf:
+            shape = HF_SHAPES[size.label]
+            hf_size = Size(shape["width"], size.batch, size.seq, size.label)
+            built.append((family_workloads("hf", shape["layers"], hf_size, "cpu"), hf_size.hidden, hf))
+    regions: list[list[str]] = []
+    gc.collect()
+    gc.freeze()
+    region.instrument()
+    for wls, hidden, rows in built:
+        _count_rows(wls, hidden, rows, region, regions, *(QUICK if quick else (WARM, REPS)))
+    with open(out_path, "w") as f:
+        json.dump({"walker": walker, "regions": regions}, f)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the parent
+def available() -> str | None:
+    """None where rows can be counted here, else why not (what to install)."""
+    from . import region
+
+    if region.valgrind() is None:
+        return "valgrind is not installed (apt-get install valgrind)"
+    if region.compiler() is None:
+        return "no C compiler (cc, gcc or clang) to build the counted region"
+    return None
+
+
+def count_rows(sizes: str, quick: bool, names: list[str], layers: int) -> dict[str, dict[str, Any]]:
+    """Row label -> per implementation ``{"instructions": [...], "median": n}``
+    and ``ratio`` (its median over DeepSpeed alone's), from one process under
+    callgrind (NOTE [ Counted rows ])."""
+    from . import region
+    from .cost_cli import REPO, child_env
+
+    with tempfile.TemporaryDirectory(prefix="gs-rows-") as tmp:
+        work = Path(tmp)
+        out, cg_out = work / "rows.json", work / "callgrind.out"
+        cmd = [*region.callgrind_command(cg_out, instrument_late=region.Region().can_instrument),
+               sys.executable, str(SCRIPT), "--count-child", str(out), "--sizes", sizes,
+               "--workloads", ",".join(names), "--layers", str(layers), *(["--quick"] if quick else [])]
+        run = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True)
+        if run.returncode != 0:
+            tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
+            raise RuntimeError(f"{PROG}: the counted run failed (exit {run.returncode}):\n{tail}")
+        got = json.loads(out.read_text())
+        parts = region.read_parts(cg_out)
+    if len(parts) != len(got["regions"]):
+        raise RuntimeError(f"{PROG}: callgrind wrote {len(parts)} counts for {len(got['regions'])} counted backwards")
+    rows: dict[str, dict[str, Any]] = {}
+    for (label, impl), count in zip(got["regions"], parts):
+        rows.setdefault(label, {}).setdefault(impl, {"instructions": []})["instructions"].append(count)
+    for row in rows.values():
+        for impl in row.values():
+            impl["median"] = statistics.median(impl["instructions"])
+        base = row["deepspeed"]["median"]
+        for impl in row.values():
+            impl["ratio"] = impl["median"] / base
+    return rows
+
+
+def attach(summaries: list[dict[str, Any]], rows: dict[str, dict[str, Any]]) -> None:
+    """Each summary gets its row's counts: ``summary["counted"][impl]``."""
+    for s in summaries:
+        counted = rows.get(row_key(s["workload"], s["hidden"]))
+        if counted is not None:
+            s["counted"] = counted
