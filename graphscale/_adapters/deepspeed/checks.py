@@ -210,8 +210,8 @@ def _check_engine_class(cls: Any) -> None:
 # on a thread of its own, which takes the state with it when it ends
 # (tests/deepspeed_engines/test_no_state_left.py).
 def _on_a_thread_of_its_own(fn: Callable[[], Any]) -> Any:
-    """``fn()`` run on a short-lived thread (NOTE [ No functorch state left
-    behind ]); its result, or its exception raised here."""
+    """``fn()`` run on a short-lived thread; its result, or its exception
+    raised here.  See NOTE [ No functorch state left behind ]."""
     out: list[Any] = []
     failed: list[BaseException] = []
 
