@@ -19,6 +19,7 @@
 // (graphscale/_native/build.py sources).
 #include "python_planner.h"
 
+#include <ATen/FuncTorchTLS.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -109,6 +110,10 @@ static void def_running(py::module_& m) {
   m.def("new_key", [] { return next_key.fetch_add(1, std::memory_order_relaxed); });
   m.def("task_has", [](uint64_t key) { return task_has_key(torch::autograd::get_current_graph_task_id(), key); });
   m.def("task_keyed", [] { return !keys_of_task(torch::autograd::get_current_graph_task_id()).empty(); });
+  // NOTE [ No functorch state left behind ] in _adapters/deepspeed/checks.py: whether
+  // functorch's thread-local state exists on this thread, and dropping it.
+  m.def("functorch_state", [] { return at::functorch::functorchTLSAccessor() != nullptr; });
+  m.def("drop_functorch_state", [] { at::functorch::setFuncTorchTLS(nullptr); });
 }
 
 // NOTE [ Two entries without pybind11's dispatcher ]

@@ -81,6 +81,27 @@ def test_install_a_governed_backward_and_remove_leave_no_functorch_state_on_the_
 
 @require_deepspeed
 @pytest.mark.deepspeed
+def test_a_governed_direct_backward_at_zero_0_leaves_no_functorch_state_on_the_thread(make_engine: Any) -> None:
+    """At ZeRO 0 graphscale runs the engine's post-backward hook on the
+    caller's thread as the backward returns (NOTE [ Epilogues graphscale runs
+    ]); that hook asks functorch too, and the native module drops what the
+    asking created."""
+    from graphscale import _native
+
+    if _native.wait(timeout=600) is None:
+        pytest.skip("the native module is not loaded here (without it the state stays)")
+    torch.manual_seed(0)
+    engine = make_engine(torch.nn.Linear(4, 4), gas=2, stage=0)
+
+    def scenario() -> None:
+        with graphscale.install(engine):
+            engine(torch.randn(2, 4)).pow(2).mean().backward()
+
+    assert not _functorch_state_after(scenario)
+
+
+@require_deepspeed
+@pytest.mark.deepspeed
 def test_deepspeed_alone_leaves_no_functorch_state_and_its_prologue_outside_a_backward_does(make_engine: Any) -> None:
     """The control: DeepSpeed's own ``engine.backward`` leaves none (it asks
     inside the backward), and the call graphscale's check makes, asked on the

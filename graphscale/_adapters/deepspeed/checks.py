@@ -207,8 +207,12 @@ def _check_engine_class(cls: Any) -> None:
 # torch, after one install() of an engine and its remove()).  Inside a
 # backward, where DeepSpeed asks, torch's engine drops it again after the
 # node; the install-time check below asks outside any backward, so it asks
-# on a thread of its own, which takes the state with it when it ends
-# (tests/deepspeed_engines/test_no_state_left.py).
+# on a thread of its own, which takes the state with it when it ends.  The
+# epilogue graphscale runs on the caller's thread as a governed backward
+# returns (ZeRO 0, compiled autograd: NOTE [ Epilogues graphscale runs ] in
+# ending.py) must run there, so the native module drops the state after it
+# where asking created it (ending.leaving_no_functorch_state; without the
+# native module it stays).  tests/deepspeed_engines/test_no_state_left.py.
 def _on_a_thread_of_its_own(fn: Callable[[], Any]) -> Any:
     """``fn()`` run on a short-lived thread; its result, or its exception
     raised here.  See NOTE [ No functorch state left behind ]."""

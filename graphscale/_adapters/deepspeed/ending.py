@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from ... import _native
+
 __all__ = ["refuses_direct", "prologue_as_engine_backward", "end_when_returned"]
 
 # NOTE [ Epilogues graphscale runs ]
@@ -65,6 +67,22 @@ def prologue_as_engine_backward(engine: Any, deepspeeds_prologue: Callable[[], N
             engine._running_engine_backward = engine._running_engine_backward_count > 0
 
 
+def leaving_no_functorch_state(run: Callable[[], None]) -> None:
+    """``run()``, a DeepSpeed call that asks functorch whether a transform
+    runs, on the caller's thread outside any backward; functorch's
+    thread-local state, where that asking created it, dropped again after
+    (NOTE [ No functorch state left behind ] in checks.py).  Where the
+    native module is not loaded, the state stays (the Python route cannot
+    drop it)."""
+    native = _native.loaded()
+    had = native is None or native.functorch_state()
+    try:
+        run()
+    finally:
+        if not had:
+            native.drop_functorch_state()
+
+
 def end_when_returned(engine: Any, ends: Any, due: Callable[[], bool]) -> None:
     """Run ``engine``'s post-backward hook (its epilogue) when the governed
     backward whose ``Frame`` (its on_failure list) is ``ends`` returns, if ``due()`` still says
@@ -73,7 +91,7 @@ def end_when_returned(engine: Any, ends: Any, due: Callable[[], bool]) -> None:
 
     def end() -> None:
         if due():
-            engine._backward_post_hook()
+            leaving_no_functorch_state(engine._backward_post_hook)
 
     if hasattr(ends, "when_returned"):
         ends.when_returned(end)
