@@ -83,6 +83,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def run_measuring(cmd: list[str], what: str) -> None:
+    """Run a measuring process (NOTE [ A still heap ]); a RuntimeError with
+    its last 40 lines of output if it fails."""
+    run = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True)
+    if run.returncode != 0:
+        tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
+        raise RuntimeError(f"{what} failed (exit {run.returncode}):\n{tail}")
+
+
 def run_child(kind: str, work: Path, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """One measuring process (under callgrind for "instructions"); its JSON,
     and for instructions ``parts``: callgrind's count of each counted backward."""
@@ -95,17 +104,11 @@ def run_child(kind: str, work: Path, only: tuple[str, ...] = ()) -> dict[str, An
     if kind == "instructions":
         cg_out = work / "callgrind.out"
         cmd = [*region.callgrind_command(cg_out, instrument_late=region.Region().can_instrument), *cmd]
-    run = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True)
-    if run.returncode != 0:
-        tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
-        raise RuntimeError(f"{PROG}: the {kind} run failed (exit {run.returncode}):\n{tail}")
+    run_measuring(cmd, f"{PROG}: the {kind} run")
     with open(out) as f:
         result: dict[str, Any] = json.load(f)
     if kind == "instructions":
-        parts = region.read_parts(cg_out)
-        if len(parts) != len(result["regions"]):
-            raise RuntimeError(f"{PROG}: callgrind wrote {len(parts)} counts for {len(result['regions'])} "
-                               f"counted backwards (was {region.REGION} renamed or inlined?)")
+        parts = region.counted_parts(cg_out, len(result["regions"]), PROG)
         for case in result["cases"].values():
             case["instructions_without"], case["instructions_with"] = [], []
         for (case_id, arm), count in zip(result["regions"], parts):

@@ -208,3 +208,13 @@ def read_parts(out_file: Path) -> list[int]:
         if suffix.isdigit():
             parts.append((int(suffix), read_total(path)))
     return [total for _, total in sorted(parts)]
+
+
+def counted_parts(out_file: Path, regions: int, prog: str) -> list[int]:
+    """:func:`read_parts`, checked: one count per counted region the program
+    says it ran (``regions``), else a RuntimeError naming ``prog``."""
+    parts = read_parts(out_file)
+    if len(parts) != regions:
+        raise RuntimeError(f"{prog}: callgrind wrote {len(parts)} counts for {regions} "
+                           f"counted backwards (was {REGION} renamed or inlined?)")
+    return parts

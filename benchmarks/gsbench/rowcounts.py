@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -128,7 +127,7 @@ def count_rows(sizes: str, quick: bool, names: list[str], layers: int) -> dict[s
     and ``ratio`` (its median over DeepSpeed alone's), from one process under
     callgrind (NOTE [ Counted rows ])."""
     from . import region
-    from .cost_cli import REPO, child_env
+    from .cost_cli import run_measuring
 
     with tempfile.TemporaryDirectory(prefix="gs-rows-") as tmp:
         work = Path(tmp)
@@ -136,14 +135,9 @@ def count_rows(sizes: str, quick: bool, names: list[str], layers: int) -> dict[s
         cmd = [*region.callgrind_command(cg_out, instrument_late=region.Region().can_instrument),
                sys.executable, str(SCRIPT), "--count-child", str(out), "--sizes", sizes,
                "--workloads", ",".join(names), "--layers", str(layers), *(["--quick"] if quick else [])]
-        run = subprocess.run(cmd, env=child_env(), cwd=REPO, capture_output=True, text=True)
-        if run.returncode != 0:
-            tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
-            raise RuntimeError(f"{PROG}: the counted run failed (exit {run.returncode}):\n{tail}")
+        run_measuring(cmd, f"{PROG}: the counted run")
         got = json.loads(out.read_text())
-        parts = region.read_parts(cg_out)
-    if len(parts) != len(got["regions"]):
-        raise RuntimeError(f"{PROG}: callgrind wrote {len(parts)} counts for {len(got['regions'])} counted backwards")
+        parts = region.counted_parts(cg_out, len(got["regions"]), PROG)
     rows: dict[str, dict[str, Any]] = {}
     for (label, impl), count in zip(got["regions"], parts):
         rows.setdefault(label, {}).setdefault(impl, {"instructions": []})["instructions"].append(count)
