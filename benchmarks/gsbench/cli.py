@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from .spec import PROG, WORKLOADS, make_sizes
+from .spec import DEFAULT_LAYERS, DEFAULT_SIZES, PROG, QUICK_COUNTED, WORKLOADS, make_sizes
 
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "overhead.png")
 
@@ -20,10 +20,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the engines run (default cpu)")
     ap.add_argument("--reps", type=int, default=None,
                     help="timed interleaved rounds per row (default 61, half that compute-bound; quick 7)")
-    ap.add_argument("--layers", type=int, default=12, help="transformer blocks per engine in W1-W6 (default 12)")
-    ap.add_argument("--sizes", default="32,256", help="hidden sizes of W1-W6, comma separated (default 32,256); "
-                    "below 128 is launch-bound, and HF rows follow the labels (launch: GPT-2 2 layers x 64, "
-                    "compute: 6 layers x 256)")
+    ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                    help="transformer blocks per engine in W1-W6 (default %(default)s)")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES,
+                    help="hidden sizes of W1-W6, comma separated (default %(default)s); below 128 is launch-bound, "
+                    "and HF rows follow the labels (launch: GPT-2 2 layers x 64, compute: 6 layers x 256)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="which workloads (default all)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1: steadier on a shared machine)")
@@ -35,8 +36,15 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     ap.add_argument("--no-plot", action="store_true", help="skip the plot")
     ap.add_argument("--no-count", action="store_true",
                     help="skip counting the rows' instructions under callgrind (verdicts then on the timed ratios)")
+    ap.add_argument("--cache-study", action="store_true",
+                    help="instead of the table: the rows counted under callgrind's cache simulation, misses per "
+                         "level and a cycle estimate per implementation (with --quick: the rows --quick counts)")
+    ap.add_argument("--keep", metavar="DIR", help="with --cache-study: keep callgrind's files in DIR")
     ap.add_argument("--count-child", metavar="PATH", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.keep and not args.cache_study:
+        ap.error("--keep keeps the cache study's files: add --cache-study")
+    return args
 
 
 def workload_names(spec: str) -> list[str] | None:
@@ -70,12 +78,17 @@ def print_table(title: str, summaries: list[dict[str, Any]], meta: dict[str, Any
               f"use_reentrant={meta['hf_checkpoint_use_reentrant']}")
 
 
-QUICK_COUNTED = ("W1", "W2", "W5", "HF1")  # --quick counts these rows, at the first (launch-bound) size
+def counted_rows(args: argparse.Namespace, wl_names: list[str]) -> tuple[list[str], str]:
+    """The rows counted and their sizes: every row, or --quick's (:data:`QUICK_COUNTED` at the first size)."""
+    names = [w for w in wl_names if not args.quick or w in QUICK_COUNTED]
+    return names, args.sizes.split(",")[0] if args.quick else args.sizes
 
 
-def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[dict[str, Any]]) -> str:
+def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[dict[str, Any]],
+               meta: dict[str, Any]) -> str:
     """Count the rows' instructions under callgrind (NOTE [ Counted rows ] in
-    gsbench/rowcounts.py) into ``summaries``; what was counted, or why not."""
+    gsbench/rowcounts.py) into ``summaries`` (and how, into ``meta``); what
+    was counted, or why not."""
     from . import rowcounts
 
     if args.no_count:
@@ -85,8 +98,7 @@ def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[di
     why = rowcounts.available()
     if why is not None:
         return f"rows not counted: {why}; verdicts on the timed ratios"
-    names = [w for w in wl_names if not args.quick or w in QUICK_COUNTED]
-    sizes = args.sizes.split(",")[0] if args.quick else args.sizes
+    names, sizes = counted_rows(args, wl_names)
     t0 = time.perf_counter()
     try:
         rows = rowcounts.count_rows(sizes, args.quick, names, args.layers)
@@ -94,6 +106,7 @@ def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[di
         print(exc, file=sys.stderr)
         return "rows not counted (the counted run failed, above): verdicts on the timed ratios"
     rowcounts.attach(summaries, rows)
+    meta["counted_setting"] = {"quick": args.quick, "sizes": sizes, "layers": args.layers}  # (the gate's rows)
     reps = rowcounts.QUICK[1] if args.quick else rowcounts.REPS
     return (f"counted: {len(rows)} row(s), instructions of one warm backward under callgrind, median of "
             f"{reps} per implementation ({time.perf_counter() - t0:.0f} s); the verdicts below are "
@@ -157,6 +170,13 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     wl_names = workload_names(args.workloads)
     if wl_names is None:
         return 2
+    if args.cache_study:
+        from pathlib import Path
+
+        from .cachestudy import run
+
+        rows, row_sizes = counted_rows(args, wl_names)
+        return run(rows, row_sizes, args.quick, args.layers, Path(args.keep) if args.keep else None)
     t0 = time.perf_counter()
     walker = env.wait_for_walker()  # a background build on a fresh machine: wait for it before timing
     build_s = time.perf_counter() - t0
@@ -166,7 +186,7 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     meta = env.run_meta(args.device, args.threads, walker, build_s, sizes, reps, args.layers)
     summaries = timing.run_table(sizes, wl_names, reps, args.layers, args.device, meta)
     table_s = time.perf_counter() - t_start
-    meta["counted"] = run_counts(args, wl_names, summaries)
+    meta["counted"] = run_counts(args, wl_names, summaries, meta)
 
     title = title_of(meta, args.layers)
     print_table(title, summaries, meta)

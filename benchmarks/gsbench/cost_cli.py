@@ -52,7 +52,13 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
     ap.add_argument("--calls-only", action="store_true",
                     help="count Python calls only (no valgrind; not with --update)")
     ap.add_argument("--cases", metavar="ID,...", type=lambda v: tuple(x for x in v.split(",") if x),
-                    help="measure these cases only (a quicker look while working; not with --update)")
+                    help="measure these cases only, not the rows (a quicker look while working; not with --update)")
+    rows = ap.add_mutually_exclusive_group()
+    rows.add_argument("--no-rows", action="store_true",
+                      help="leave out the main job's counted rows (NOTE [ The rows in the gate ]; not with --update)")
+    rows.add_argument("--rows-from", metavar="PATH",
+                      help="the rows only, their counts read from PATH, the JSON of a "
+                           "`benchmarks/overhead.py --quick --json PATH` run, instead of counted again")
     ap.add_argument("--json", metavar="PATH", help="write this run's figures to PATH")
     ap.add_argument("--raw", metavar="DIR", type=Path,
                     help="keep callgrind's files (one per counted backward) under DIR, for callgrind_annotate")
@@ -61,8 +67,10 @@ def parse_args(argv: list[str] | None, description: str | None) -> argparse.Name
     args = ap.parse_args(argv)
     if args.update and args.calls_only:
         ap.error("--update measures instructions too: drop --calls-only")
-    if args.update and args.cases:
-        ap.error("--update measures every case: drop --cases")
+    if args.update and (args.cases or args.no_rows or args.rows_from):
+        ap.error("--update measures every case and row: drop --cases, --no-rows and --rows-from")
+    if args.calls_only and args.rows_from:
+        ap.error("--rows-from reads instructions: drop --calls-only")
     if args.cases:
         from .counts import CASE_IDS
 
@@ -116,6 +124,25 @@ def run_child(kind: str, work: Path, only: tuple[str, ...] = ()) -> dict[str, An
     return result
 
 
+def measure_rows(runs: int) -> dict[str, dict[str, Any]]:
+    """The main job's --quick rows, counted ``runs`` times (NOTE [ The rows in
+    the gate ] in gsbench/rowcounts.py): per row the combined figures."""
+    from .rowcounts import count_gate_rows
+
+    figures = []
+    for n in range(runs):
+        t = time.perf_counter()
+        figures.append(count_gate_rows())
+        print(f"{PROG}: rows run {n + 1}/{runs}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    return titled_rows(gate.combine(figures, "instructions"))
+
+
+def titled_rows(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The rows' figures as the gate's cases (a title; no Python calls: the rows count instructions only)."""
+    return {rid: {"title": f"the main job's row {rid[len(gate.ROW_PREFIX):].replace('-', ' ')} (--quick)",
+                  "route": "", **fig} for rid, fig in rows.items()}
+
+
 def measure(runs: int, calls_only: bool, raw: Path | None, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """``runs`` runs of each kind; per case the combined figures
     (:func:`gate.combine`), nodes, route; and the wall time."""
@@ -150,7 +177,7 @@ def measure(runs: int, calls_only: bool, raw: Path | None, only: tuple[str, ...]
         for case_id, fig in gate.combine(figures[kind], metric).items():
             cases[case_id].update(fig)
     for case in cases.values():
-        if "instructions" in case:
+        if "instructions" in case and "nodes" in case:
             case["instructions_per_node"] = case["instructions"] / case["nodes"]
     return {"walker": info["walker"], "runs": runs, "wall_s": time.perf_counter() - t0, "cases": cases}
 
@@ -264,9 +291,20 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
               "--calls-only counts Python calls alone", file=sys.stderr)
         return 2
     runs = args.runs or (2 if args.update else 1)
+    t0_all = time.perf_counter()
     try:
-        measured = measure(runs, args.calls_only, args.raw, args.cases or ())
-    except RuntimeError as exc:
+        if args.rows_from:
+            from .rowcounts import gate_rows_from
+
+            t0 = time.perf_counter()
+            measured: dict[str, Any] = {"walker": "-", "runs": 1, "cases": titled_rows(gate_rows_from(args.rows_from)),
+                        "wall_s": time.perf_counter() - t0}
+        else:
+            measured = measure(runs, args.calls_only, args.raw, args.cases or ())
+            if not (args.calls_only or args.cases or args.no_rows):
+                measured["cases"].update(measure_rows(runs))
+                measured["wall_s"] = time.perf_counter() - t0_all
+    except (RuntimeError, ValueError) as exc:
         print(exc, file=sys.stderr)
         return 2
     base = gate.load(args.baseline)

@@ -170,17 +170,18 @@ def valgrind_version() -> str:
     return subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
 
 
-def callgrind_command(out_file: Path, instrument_late: bool) -> list[str]:
+def callgrind_command(out_file: Path, instrument_late: bool, cache_sim: bool = False) -> list[str]:
     """valgrind's command line (the program's follows): count only inside
     :data:`REGION`, a file per call (NOTE [ The counted region ]);
     ``instrument_late``: no instrumentation until the program turns it on
-    (:meth:`Region.instrument`)."""
+    (:meth:`Region.instrument`); ``cache_sim``: callgrind's cache simulation
+    too (its misses per level beside the instructions: :func:`read_events`)."""
     exe = valgrind()
     if exe is None:
         raise RuntimeError("benchmarks/cost.py: valgrind is not installed (apt-get install valgrind)")
     return [exe, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={REGION}",
             f"--dump-after={REGION}", "--dump-line=no", *(["--instr-atstart=no"] if instrument_late else []),
-            f"--callgrind-out-file={out_file}"]
+            *(["--cache-sim=yes"] if cache_sim else []), f"--callgrind-out-file={out_file}"]
 
 
 _TOTAL = re.compile(r"^(?:summary|totals):\s*(\d+)", re.M)
@@ -197,17 +198,34 @@ def read_total(path: Path) -> int:
     return int(found.group(1))
 
 
+_EVENTS = re.compile(r"^events:\s*(.+)$", re.M)
+_SUMMARY = re.compile(r"^(?:summary|totals):\s*([\d ]+)$", re.M)
+
+
+def read_events(path: Path) -> dict[str, int]:
+    """Every event one callgrind output file counted, by name (Ir; with the
+    cache simulation also I1mr, D1mr, D1mw, ILmr, DLmr, DLmw, Dr, Dw)."""
+    text = path.read_text()
+    names, totals = _EVENTS.search(text), _SUMMARY.search(text)
+    if names is None or totals is None:
+        raise ValueError(f"{path}: not a callgrind output file (no events: or summary: line)")
+    values = [int(v) for v in totals.group(1).split()]
+    return dict(zip(names.group(1).split(), values + [0] * (len(names.group(1).split()) - len(values))))
+
+
 def read_parts(out_file: Path) -> list[int]:
     """The instructions of every part callgrind dumped for ``out_file``
     (``<out>.1``, ``<out>.2``, ... in order: one per region; the file without
     a number, written at the program's end, counted outside every region and
     is left out)."""
-    parts = []
-    for path in out_file.parent.glob(out_file.name + ".*"):
-        suffix = path.name[len(out_file.name) + 1:]
-        if suffix.isdigit():
-            parts.append((int(suffix), read_total(path)))
-    return [total for _, total in sorted(parts)]
+    return [read_total(path) for path in part_files(out_file)]
+
+
+def part_files(out_file: Path) -> list[Path]:
+    """The files callgrind dumped for ``out_file``, one per region, in order."""
+    found = [(int(p.name[len(out_file.name) + 1:]), p) for p in out_file.parent.glob(out_file.name + ".*")
+             if p.name[len(out_file.name) + 1:].isdigit()]
+    return [p for _, p in sorted(found)]
 
 
 def counted_parts(out_file: Path, regions: int, prog: str) -> list[int]:

@@ -25,13 +25,14 @@ simulation, ``--cache-sim=yes``, is a separate study: docs/benchmark.md).
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .spec import HF_SHAPES, HF_WORKLOADS, PROG, Size
+from .spec import DEFAULT_LAYERS, DEFAULT_SIZES, HF_SHAPES, HF_WORKLOADS, PROG, QUICK_COUNTED, Size
 
 WARM = 2  # uncounted forward + backward pairs per row and implementation (the first install builds tables)
 REPS = 3  # counted backwards per row and implementation; the median is the figure
@@ -122,25 +123,36 @@ def available() -> str | None:
     return None
 
 
-def count_rows(sizes: str, quick: bool, names: list[str], layers: int) -> dict[str, dict[str, Any]]:
+def count_rows(sizes: str, quick: bool, names: list[str], layers: int, cache_sim: bool = False,
+               keep: Path | None = None) -> dict[str, dict[str, Any]]:
     """Row label -> per implementation ``{"instructions": [...], "median": n}``
     and ``ratio`` (its median over DeepSpeed alone's), from one process under
-    callgrind (NOTE [ Counted rows ])."""
+    callgrind (NOTE [ Counted rows ]).  ``cache_sim``: callgrind's cache
+    simulation too, each counted backward's events (misses per level) in
+    ``"events"``; ``keep``: callgrind's files and the regions' list are
+    copied there (for callgrind_annotate)."""
     from . import region
     from .cost_cli import run_measuring
 
     with tempfile.TemporaryDirectory(prefix="gs-rows-") as tmp:
         work = Path(tmp)
         out, cg_out = work / "rows.json", work / "callgrind.out"
-        cmd = [*region.callgrind_command(cg_out, instrument_late=region.Region().can_instrument),
+        cmd = [*region.callgrind_command(cg_out, instrument_late=region.Region().can_instrument,
+                                         cache_sim=cache_sim),
                sys.executable, str(SCRIPT), "--count-child", str(out), "--sizes", sizes,
                "--workloads", ",".join(names), "--layers", str(layers), *(["--quick"] if quick else [])]
         run_measuring(cmd, f"{PROG}: the counted run")
         got = json.loads(out.read_text())
         parts = region.counted_parts(cg_out, len(got["regions"]), PROG)
+        events = [region.read_events(p) for p in region.part_files(cg_out)] if cache_sim else None
+        if keep is not None:
+            shutil.copytree(work, keep, dirs_exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
-    for (label, impl), count in zip(got["regions"], parts):
-        rows.setdefault(label, {}).setdefault(impl, {"instructions": []})["instructions"].append(count)
+    for k, ((label, impl), count) in enumerate(zip(got["regions"], parts)):
+        figures = rows.setdefault(label, {}).setdefault(impl, {"instructions": []})
+        figures["instructions"].append(count)
+        if events is not None:
+            figures.setdefault("events", []).append(events[k])
     for row in rows.values():
         for impl in row.values():
             impl["median"] = statistics.median(impl["instructions"])
@@ -156,3 +168,68 @@ def attach(summaries: list[dict[str, Any]], rows: dict[str, dict[str, Any]]) -> 
         counted = rows.get(row_key(s["workload"], s["hidden"]))
         if counted is not None:
             s["counted"] = counted
+
+
+# ----------------------------------------------------------------------------- the cost gate's rows
+# NOTE [ The rows in the gate ]
+# benchmarks/cost.py holds the rows the main job's --quick run counts
+# (:data:`QUICK_COUNTED` at the first default size, one backward each), beside
+# its tiny cases, as cases ``row-W1-h32`` ...: what graphscale adds to DeepSpeed
+# alone's counted backward, in instructions.  --update and a plain --check count
+# them (one more process under callgrind, 2-4 minutes here); --rows-from reads
+# them from the JSON of an ``overhead.py --quick --json`` run instead, so that CI
+# does not count the same backwards twice.
+# Their margin: the tiny cases' 3 % of the addition, and a slack of
+# gate.ROW_SLACK_OF_ALONE (0.6 %) of DeepSpeed alone's counted backward, not a
+# fixed number.  Three runs of the same code (ed80663, 2026-12-07, one process
+# each, a second job on the machine) read the addition as W1 172k / 191k /
+# 209k on a 30.5M backward, W2 602k / 666k / 699k on 61.0M, W5 -663k / -585k /
+# -320k on 92.2-92.4M and HF1 178k / 172k / 169k on 15.0M: ranges of 0.12 %,
+# 0.16 %, 0.37 % and 0.06 % of DeepSpeed alone's backward.  The noise grows
+# with the backward (its memory layout moves the interpreter's and malloc's
+# work, as in NOTE [ The cost margin ] in gate.py), and with one backward per
+# implementation nothing averages it out; 0.6 % is 1.6 times the widest range
+# seen (W5's).  What the gate is for is larger: the functorch state left on
+# the thread cost W1 3.5 % (fd219ef), a walk twice as costly would add 1 % to
+# W2.  A baseline below zero (W5: graphscale's backward runs fewer
+# instructions than DeepSpeed alone's, docs/benchmark.md "Counted rows")
+# widens by 3 % of its size as a positive one does.
+def gate_row_id(label: str) -> str:
+    """The cost gate's case of a counted row ("W1 h32" -> "row-W1-h32")."""
+    return "row-" + label.replace(" ", "-")
+
+
+def gate_figures(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per row, the gate's figures: ``instructions`` graphscale adds to
+    DeepSpeed alone's counted backward, ``instructions_without`` (DeepSpeed
+    alone's)."""
+    out = {}
+    for label, impls in rows.items():
+        alone = float(impls["deepspeed"]["median"])
+        out[gate_row_id(label)] = {"instructions": float(impls["graphscale"]["median"]) - alone,
+                                   "instructions_without": alone}
+    return out
+
+
+def count_gate_rows() -> dict[str, dict[str, float]]:
+    """Count the gate's rows as the main job's --quick run does."""
+    return gate_figures(count_rows(DEFAULT_SIZES.split(",")[0], True, list(QUICK_COUNTED), DEFAULT_LAYERS))
+
+
+def gate_rows_from(path: str) -> dict[str, dict[str, float]]:
+    """The gate's rows from an ``overhead.py --quick --json PATH`` run; a
+    ValueError that says what to run where the file holds no such counts."""
+    with open(path) as f:
+        data = json.load(f)
+    setting = data.get("meta", {}).get("counted_setting")
+    want = {"quick": True, "sizes": DEFAULT_SIZES.split(",")[0], "layers": DEFAULT_LAYERS}
+    if setting != want:
+        raise ValueError(f"{path}: its rows were not counted as the gate's are (counted: {setting}; the gate's: "
+                         f"{want}): run python benchmarks/overhead.py --quick --json {path} with the default "
+                         "--sizes and --layers, valgrind installed")
+    rows = {f"{s['workload']} h{s['hidden']}": s["counted"] for s in data.get("rows", []) if "counted" in s}
+    missing = [w for w in QUICK_COUNTED if not any(label.split()[0] == w for label in rows)]
+    if missing:
+        raise ValueError(f"{path}: no counts of {', '.join(missing)} (was the run given --workloads?): run "
+                         f"python benchmarks/overhead.py --quick --json {path}")
+    return gate_figures(rows)

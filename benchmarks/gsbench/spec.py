@@ -29,6 +29,10 @@ EXPECTED_MULTS = {"W1": 1, "W2": 2, "W3": 2, "W4": 1, "W5": 2, "W6": 2, "HF1": 2
 # the tower rows of that label).
 HF_SHAPES = {"launch": {"layers": 2, "width": 64}, "compute": {"layers": 6, "width": 256}}
 HF_VOCAB = 2048
+# --quick counts these rows, at the first (launch-bound) size, and the cost gate
+# holds their counts (NOTE [ The rows in the gate ] in gsbench/rowcounts.py).
+QUICK_COUNTED = ("W1", "W2", "W5", "HF1")
+DEFAULT_SIZES, DEFAULT_LAYERS = "32,256", 12  # --sizes, --layers
 EXTRA_OBJECTS = 3_000_000  # install() cost section: live objects added to the heap
 
 

@@ -88,7 +88,7 @@ def measure(case: Case, rounds: int, device: str) -> dict[str, Any]:
     engines, make, run = case
     diffs, alone = [], []
     for rnd in range(rounds + 2):  # 2 warm-up rounds dropped
-        got = {}
+        got: dict[bool, float] = {}
         for governed in ((False, True) if rnd % 2 else (True, False)):
             if governed:
                 with graphscale.install(*engines):

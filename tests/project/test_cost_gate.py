@@ -5,6 +5,7 @@ output is read from a real file.  Nothing here is timed; the one test that
 runs valgrind skips cleanly without it or without a C compiler."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -155,11 +156,86 @@ def test_check_exits_1_on_a_growth_and_0_within_the_margin(tmp_path: Path, monke
     monkeypatch.setattr(cost_cli, "versions", lambda: {})
     monkeypatch.setattr(region, "valgrind", lambda: "/usr/bin/valgrind")
     monkeypatch.setattr(cost_cli, "measure", measured(201_000.0))
-    assert cost_cli.main(["--check", "--baseline", str(baseline)]) == 0
+    assert cost_cli.main(["--check", "--no-rows", "--baseline", str(baseline)]) == 0
     monkeypatch.setattr(cost_cli, "measure", measured(420_000.0))
-    assert cost_cli.main(["--check", "--baseline", str(baseline)]) == 1
+    assert cost_cli.main(["--check", "--no-rows", "--baseline", str(baseline)]) == 1
     err = capsys.readouterr().err
     assert "nested: instructions added per backward grew past the margin" in err and "2.100x" in err
+
+
+ROW = "row-W1-h32"
+
+
+def test_a_rows_slack_is_a_share_of_deepspeed_alones_backward() -> None:
+    alone = 30_000_000.0
+    base = {ROW: {"instructions": 200_000.0, "instructions_without": alone},
+            "nested": {"instructions": 200_000.0, "instructions_without": alone}}
+    at_row_limit = gate.limit(200_000.0, "instructions", ROW, alone)
+    assert at_row_limit == pytest.approx(200_000 * (1 + gate.RELATIVE) + gate.ROW_SLACK_OF_ALONE * alone)
+    got = verdicts(gate.compare(base, {ROW: {"instructions": at_row_limit},
+                                       "nested": {"instructions": at_row_limit}}, {}))
+    assert got == {(ROW, "instructions"): "ok", ("nested", "instructions"): "grew"}
+    got = verdicts(gate.compare(base, {ROW: {"instructions": at_row_limit + 1}}, {}))
+    assert got == {(ROW, "instructions"): "grew"}
+    failures, _ = gate.messages(gate.compare(base, {ROW: {"instructions": 1_000_000.0}}, {}), "0" * 40)
+    assert f"margin 3% + {gate.ROW_SLACK_OF_ALONE * alone:,.0f}" in failures[0]
+
+
+def test_a_negative_baseline_widens_the_margin_as_a_positive_one() -> None:
+    alone = 90_000_000.0  # W5: graphscale's backward counts fewer instructions than DeepSpeed alone's
+    base = {"row-W5-h32": {"instructions": -600_000.0, "instructions_without": alone}}
+    width = 600_000 * gate.RELATIVE + gate.ROW_SLACK_OF_ALONE * alone
+    assert gate.limit(-600_000.0, "instructions", "row-W5-h32", alone) == pytest.approx(-600_000 + width)
+    assert gate.floor(-600_000.0, "instructions", "row-W5-h32", alone) == pytest.approx(-600_000 - width)
+    got = verdicts(gate.compare(base, {"row-W5-h32": {"instructions": -600_000.0 + width - 1}}, {}))
+    assert got == {("row-W5-h32", "instructions"): "ok"}
+    got = verdicts(gate.compare(base, {"row-W5-h32": {"instructions": -600_000.0 + width + 1}}, {}))
+    assert got == {("row-W5-h32", "instructions"): "grew"}
+
+
+def main_job_json(path: Path, setting: dict[str, Any] | None, workloads: tuple[str, ...]) -> str:
+    """A main job's --json as gsbench/cli.py writes it: counted rows under ``meta.counted_setting``."""
+    from gsbench.spec import HF_WORKLOADS
+
+    rows = []
+    for k, w in enumerate(workloads):
+        ds, gs = 30_000_000.0 + k, 30_150_000.0 + 7 * k
+        rows.append({"workload": w, "hidden": 64 if w in HF_WORKLOADS else 32,
+                     "counted": {"deepspeed": {"median": ds}, "leaf-hooks": {"median": 2 * ds},
+                                 "graphscale": {"median": gs}}})
+    meta: dict[str, Any] = {} if setting is None else {"counted_setting": setting}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    return str(path)
+
+
+def test_the_rows_read_from_a_quick_main_job_are_what_graphscale_adds_to_deepspeed_alone(tmp_path: Path) -> None:
+    from gsbench import rowcounts
+    from gsbench.spec import QUICK_COUNTED
+
+    quick = {"quick": True, "sizes": "32", "layers": 12}
+    got = rowcounts.gate_rows_from(main_job_json(tmp_path / "quick.json", quick, QUICK_COUNTED))
+    assert set(got) == {"row-W1-h32", "row-W2-h32", "row-W5-h32", "row-HF1-h64"}
+    for k, w in enumerate(QUICK_COUNTED):
+        fig = next(v for rid, v in got.items() if rid.startswith(f"row-{w}-"))
+        assert fig == {"instructions": 150_000.0 + 6 * k, "instructions_without": 30_000_000.0 + k}
+
+
+@pytest.mark.parametrize("setting, workloads, says", [
+    pytest.param(None, ("W1", "W2", "W5", "HF1"), "were not counted as the gate's are", id="not counted"),
+    pytest.param({"quick": False, "sizes": "32,256", "layers": 12}, ("W1", "W2", "W5", "HF1"),
+                 "were not counted as the gate's are", id="the default run"),
+    pytest.param({"quick": True, "sizes": "32", "layers": 12}, ("W1", "W2"), "no counts of W5, HF1",
+                 id="some rows"),
+])
+def test_rows_read_from_a_run_not_counted_as_the_gates_are_refused_with_the_command(
+        tmp_path: Path, setting: dict[str, Any] | None, workloads: tuple[str, ...], says: str) -> None:
+    from gsbench import rowcounts
+
+    path = main_job_json(tmp_path / "run.json", setting, workloads)
+    with pytest.raises(ValueError, match=says) as err:
+        rowcounts.gate_rows_from(path)
+    assert f"python benchmarks/overhead.py --quick --json {path}" in str(err.value)
+    assert cost_cli.main(["--check", "--rows-from", path]) == 2
 
 
 REGION_SCRIPT = """
@@ -181,21 +257,29 @@ r.region(work(20000))
 
 @pytest.mark.skipif(region.valgrind() is None or region.compiler() is None,
                     reason="needs valgrind and a C compiler")
-def test_callgrind_counts_each_region_in_a_file_of_its_own(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cache_sim", [False, True], ids=["instructions", "with the cache simulation"])
+def test_callgrind_counts_each_region_in_a_file_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           cache_sim: bool) -> None:
     monkeypatch.setenv(region.CACHE_ENV, str(tmp_path / "cache"))
     out = tmp_path / "callgrind.out"
     script = tmp_path / "regions.py"
     script.write_text(REGION_SCRIPT.format(bench=str(BENCH)))
     late = region.Region().can_instrument
-    run = subprocess.run([*region.callgrind_command(out, instrument_late=late), sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*region.callgrind_command(out, instrument_late=late, cache_sim=cache_sim),
+                          sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     parts = region.read_parts(out)
     assert len(parts) == 2, parts  # one file per region; the program's own file (nothing counted) left out
     small, large = parts
     assert 0 < small < large, parts  # twenty times the loop: more counted, and only inside the region
     assert region.read_total(out) == 0
+    events = [region.read_events(p) for p in region.part_files(out)]
+    assert [e["Ir"] for e in events] == parts
+    if cache_sim:  # the misses per level, beside the instructions
+        assert all({"I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw"} <= set(e) for e in events), events
+        assert all(0 <= e["DLmr"] <= e["D1mr"] for e in events), events
+    else:
+        assert all(set(e) == {"Ir"} for e in events), events
     bogus = tmp_path / "not-callgrind.txt"
     bogus.write_text("events: Ir\n")
     with pytest.raises(ValueError, match="not a callgrind output file"):
