@@ -118,19 +118,24 @@ inline bool is_accumulate_grad(const Node* n) { return typeid(*n) == typeid(Accu
 // Custom-Function nodes.  PyNode's type_info is not exported by torch, so
 // the dynamic type's name is compared, once per type: type_infos already
 // known not to be PyNode's sit in a small direct-mapped cache (a graph has a
-// few dozen node types; a miss only costs the comparison again).
+// few dozen node types; a miss only costs the comparison again).  The cache
+// is shared by every thread, each slot a relaxed atomic: a slot only ever
+// holds a type_info whose name was compared (a reader sees that one or an
+// older one), and a thread_local array in a dlopen'ed module costs a
+// __tls_get_addr call per node (NOTE [ No thread-local lookup per node ] in
+// probe.h).
 inline bool is_py_node(const Node* n) {
   static std::atomic<const std::type_info*> pynode{nullptr};
-  static thread_local const std::type_info* not_py[64] = {};
+  static std::atomic<const std::type_info*> not_py[64] = {};
   const std::type_info* ti = &typeid(*n);
   if (ti == pynode.load(std::memory_order_relaxed)) return true;
   const size_t slot = (reinterpret_cast<uintptr_t>(ti) >> 4) & 63;
-  if (not_py[slot] == ti) return false;
+  if (not_py[slot].load(std::memory_order_relaxed) == ti) return false;
   if (std::strcmp(ti->name(), "N5torch8autograd6PyNodeE") == 0) {
     pynode.store(ti, std::memory_order_relaxed);
     return true;
   }
-  not_py[slot] = ti;
+  not_py[slot].store(ti, std::memory_order_relaxed);
   return false;
 }
 

@@ -11,6 +11,29 @@
 
 namespace graphscale::planner {
 
+// NOTE [ No thread-local lookup per node ]
+// The native module is a shared library loaded by dlopen, so the address of
+// a thread_local is the result of a call to __tls_get_addr (general-dynamic
+// TLS), and the compiler recomputes it at each use rather than keep it in a
+// register, a reference to it included: the probe's scratch, used in its
+// loop, cost about four such calls per node (W1's 739 nodes: 32 thousand
+// instructions per backward, callgrind at ed80663).  probe_scratch() hands
+// the address out of a call the compiler cannot repeat or see through, so
+// the loop keeps it; is_py_node's type cache is no thread_local (nodes.h);
+// the walk's scratch reaches it through the Planner's reference members
+// (planner.h plan()).
+struct ProbeScratch {
+  NodeIndex index;
+  std::vector<Node*> found;
+  size_t last = 0;
+};
+
+// This thread's probe scratch (NOTE [ No thread-local lookup per node ]).
+__attribute__((noinline)) inline ProbeScratch* probe_scratch() {
+  static thread_local ProbeScratch tls;
+  return &tls;
+}
+
 // Before the fast path (NOTE [ Fast path ] in graphscale/_entry/entry.py): does a
 // backward of `roots` reach an owned leaf, and may it skip planning?  A
 // breadth-first walk that stops as soon as the answer is known: at the first
@@ -23,9 +46,10 @@ namespace graphscale::planner {
 // nested backward is planned, NOTE [ Fast path ]).
 inline int probe_nodes(const std::vector<Node*>& root_nodes, const Owners& owners, int policy,
                        const ParameterTest& parameters) {
-  static thread_local NodeIndex index;
-  static thread_local std::vector<Node*> found;
-  static thread_local size_t last = 0;
+  ProbeScratch& scratch = *probe_scratch();  // one lookup (NOTE [ No thread-local lookup per node ])
+  NodeIndex& index = scratch.index;
+  std::vector<Node*>& found = scratch.found;
+  size_t& last = scratch.last;
   index.reserve(last);
   found.clear();
   seed_roots(root_nodes, &index, &found);
