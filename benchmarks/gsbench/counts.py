@@ -31,7 +31,11 @@ event (a dict resized, a heap grown) out of the figure.
 The cases are tiny.py's four (two ZeRO-1 engines of one Linear(8, 8), GAS 2
 and 4, under the same names as the timed table), one engine alone in the
 loss, and a long chain of elementwise ops between two ``graphscale.Group``'s
-over plain torch, whose added cost is also reported per node of its graph.
+over plain torch, whose added cost is also reported per node of its graph:
+with two factors (the walk and plan) and with one (the probe before the fast
+path, which a per-node cost in it, such as a thread-local lookup, NOTE [ No
+thread-local lookup per node ] in graphscale/_native/planner/probe.h, grows by
+thousands of instructions).
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ SPECS = (
     CaseSpec("nested", "one nested (reentrant checkpoint)", 20),
     CaseSpec("one-engine", "one engine alone in the loss", 20),
     CaseSpec("walk-chain", f"walk: a chain of {CHAIN_OPS} ops, two groups", 7, warm=2),
+    CaseSpec("probe-chain", f"probe: a chain of {CHAIN_OPS} ops, one factor", 7, warm=2),
 )
 CASE_IDS = tuple(s.id for s in SPECS)
 
@@ -85,9 +90,12 @@ class Case:
     run: Callable[[Any], None]
 
 
-def _chain(device: str) -> Case:
-    """Two plain ``Linear(8, 8)``'s as groups (GAS 2 and 4) with
-    :data:`CHAIN_OPS` elementwise ops between them: the walk dominates."""
+def _chain(device: str, gas: tuple[int, int] = (2, 4)) -> Case:
+    """Two plain ``Linear(8, 8)``'s as groups (GAS ``gas``) with
+    :data:`CHAIN_OPS` elementwise ops between them: the walk dominates where
+    the two factors differ; where they are one, the probe before the fast
+    path (NOTE [ Fast path ] in graphscale/_entry/entry.py), which walks
+    every node to see that no other leaf is reached."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(8, 8).to(device), torch.nn.Linear(8, 8).to(device)
     x = torch.randn(2, 8, device=device)
@@ -98,7 +106,8 @@ def _chain(device: str) -> Case:
             h = h * 1.0 if i % 2 else h + 0.0
         return b(h).pow(2).mean() + a(x).pow(2).mean()
 
-    return Case((graphscale.Group(a, gas=2), graphscale.Group(b, gas=4)), make, lambda loss: loss.backward())
+    return Case((graphscale.Group(a, gas=gas[0]), graphscale.Group(b, gas=gas[1])), make,
+                lambda loss: loss.backward())
 
 
 def cases(device: str) -> dict[str, Case]:
@@ -110,6 +119,7 @@ def cases(device: str) -> dict[str, Case]:
     x = torch.randn(2, 8, device=device)
     out["one-engine"] = Case((lone,), lambda: lone(x).pow(2).mean(), lambda loss: loss.backward())
     out["walk-chain"] = _chain(device)
+    out["probe-chain"] = _chain(device, (2, 2))
     return out
 
 
