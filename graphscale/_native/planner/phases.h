@@ -23,10 +23,10 @@ namespace graphscale::planner {
 // and clear them afresh.  A plan that starts while another is running on the
 // same thread (a caller's answer reentering) takes fresh ones.
 struct Scratch {
-  std::vector<int32_t> kid_start, kids, indeg, order, pinned, choice, vote_at, tallies;
+  std::vector<int32_t> kid_start, kids, indeg, order, pinned, hinted, choice, vote_at, tallies;
   std::vector<int32_t> leaves, customs;  // discovery positions of AccumulateGrad and custom-Function nodes
   std::vector<int64_t> leaf_group;       // per entry of leaves: owning group position, or -1
-  std::vector<char> is_leaf, pin_kind, has_pin, enclosed, mark, set;
+  std::vector<char> pin_kind, enclosed, set;
   std::vector<double> pin_value;
   std::vector<int> pin_bit;
   std::vector<uint64_t> reach;
@@ -65,8 +65,12 @@ class Planner {
   Scratch& S;
   Plan& P;
   int32_t n_ = 0;
+  int32_t n_roots_ = 0;  // distinct roots: discovery positions 0 .. n_roots_ - 1
   std::vector<int32_t> extra_pos_;
   std::vector<double> values_;  // distinct pin values, by bit
+
+  // An AccumulateGrad node (after discover: it has no kids).
+  bool is_leaf(int32_t o) const { return S.kid_start[o] == S.kid_start[o + 1] && is_accumulate_grad(P.found[o]); }
 
   int bit_of(double v) const {
     for (size_t b = 0; b < values_.size(); ++b)

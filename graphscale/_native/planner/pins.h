@@ -56,7 +56,6 @@ inline bool Planner::unowned_pin(int32_t o, const at::Tensor& var, double* v) {
 inline bool Planner::pin() {
   const int32_t n = n_;
   S.pin_kind.assign(n, 0);
-  S.has_pin.assign(n, 0);
   S.pin_value.assign(n, 0.0);
   S.enclosed.assign(n, 0);
   P.custom_nodes = static_cast<int64_t>(S.customs.size());
@@ -86,7 +85,7 @@ inline bool Planner::pin() {
   if (has_outer()) {
     for (int32_t o = 0; o < n; ++o) {
       double seen;
-      if (!S.is_leaf[o] && seen_phi(P.found[o], &seen)) {
+      if (!is_leaf(o) && seen_phi(P.found[o], &seen)) {
         trivial = put(o, seen) && trivial;
         S.enclosed[o] = 1;
         ++P.enclosed_nodes;
@@ -98,7 +97,6 @@ inline bool Planner::pin() {
 
 // Pin `o` at `v` (a later pin overwrites an earlier one); true when v is base.
 inline bool Planner::put(int32_t o, double v) {
-  S.has_pin[o] = 1;
   S.pin_value[o] = v;
   return v == R.base;
 }

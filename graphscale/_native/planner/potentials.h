@@ -18,30 +18,35 @@ namespace graphscale::planner {
 inline void Planner::bottom_up() {
   const int32_t n = n_;
   const int nvals = static_cast<int>(values_.size());
-  auto& reach = S.reach;
-  auto& choice = S.choice;
-  auto& vote_at = S.vote_at;  // offset into tallies for mixed nodes
+  const int32_t* kid_start = S.kid_start.data();
+  const int32_t* kids = S.kids.data();
+  const int32_t* order = S.order.data();
+  const int* pin_bit = S.pin_bit.data();
   auto& tallies = S.tallies;
-  reach.assign(n, 0);
-  choice.assign(n, -1);
-  vote_at.assign(n, -1);
+  S.reach.assign(n, 0);
+  S.choice.assign(n, -1);
+  S.vote_at.assign(n, -1);  // offset into tallies for mixed nodes
+  uint64_t* reach = S.reach.data();
+  int32_t* choice = S.choice.data();
+  int32_t* vote_at = S.vote_at.data();
   tallies.clear();
   for (int32_t p = n - 1; p >= 0; --p) {
-    const int32_t v = S.order[p];
+    const int32_t v = order[p];
+    const int32_t e0 = kid_start[v], e1 = kid_start[v + 1];
     uint64_t m = 0;
-    for (int32_t e = S.kid_start[v]; e < S.kid_start[v + 1]; ++e)
-      if (S.kids[e] >= 0) m |= reach[S.kids[e]];
-    int pb = S.pin_bit[v];
+    for (int32_t e = e0; e < e1; ++e)
+      if (kids[e] >= 0) m |= reach[kids[e]];
+    const int pb = pin_bit[v];
     if (pb >= 0) {
       m |= (uint64_t{1} << pb);
       choice[v] = pb;
     } else if ((m & (m - 1)) == 0) {
       choice[v] = m ? 63 - __builtin_clzll(m) : -1;
     } else {
-      int32_t off = static_cast<int32_t>(tallies.size());
+      const int32_t off = static_cast<int32_t>(tallies.size());
       tallies.resize(off + nvals, 0);
-      for (int32_t e = S.kid_start[v]; e < S.kid_start[v + 1]; ++e) {
-        int32_t c = S.kids[e];
+      for (int32_t e = e0; e < e1; ++e) {
+        const int32_t c = kids[e];
         if (c >= 0 && choice[c] >= 0) ++tallies[off + choice[c]];
       }
       vote_at[v] = off;
@@ -67,18 +72,20 @@ inline double Planner::potential_of(int32_t v, double parent) const {
 
 // Top-down: the first parent (in topological order) decides.
 inline void Planner::top_down() {
-  std::vector<double>& phi = P.phi_disc;
-  phi.assign(n_, 0.0);
-  auto& set = S.set;
-  set.assign(n_, 0);
+  const int32_t* kid_start = S.kid_start.data();
+  const int32_t* kids = S.kids.data();
+  P.phi_disc.assign(n_, 0.0);
+  S.set.assign(n_, 0);
+  double* phi = P.phi_disc.data();
+  char* set = S.set.data();
   for (int32_t u : S.order) {
     if (!set[u]) {
       phi[u] = potential_of(u, R.base);
       set[u] = 1;
     }
     const double pu = phi[u];
-    for (int32_t e = S.kid_start[u]; e < S.kid_start[u + 1]; ++e) {
-      int32_t c = S.kids[e];
+    for (int32_t e = kid_start[u]; e < kid_start[u + 1]; ++e) {
+      const int32_t c = kids[e];
       if (c >= 0 && !set[c]) {
         phi[c] = potential_of(c, pu);
         set[c] = 1;
@@ -89,16 +96,18 @@ inline void Planner::top_down() {
 
 // Edge multipliers, in topological order of their nodes, then the seeds.
 inline void Planner::multipliers(const std::vector<Node*>& root_nodes) {
-  const std::vector<double>& phi = P.phi_disc;
+  const double* phi = P.phi_disc.data();
+  const int32_t* kid_start = S.kid_start.data();
+  const int32_t* kids = S.kids.data();
   for (int32_t u : S.order) {
     const double pu = phi[u];
-    const int32_t e0 = S.kid_start[u], e1 = S.kid_start[u + 1];
+    const int32_t e0 = kid_start[u], e1 = kid_start[u + 1];
     int32_t e = e0;
-    while (e < e1 && (S.kids[e] < 0 || phi[S.kids[e]] == pu)) ++e;
+    while (e < e1 && (kids[e] < 0 || phi[kids[e]] == pu)) ++e;
     if (e == e1 || S.enclosed[u]) continue;
     std::vector<std::pair<int64_t, double>> row;
     for (; e < e1; ++e) {
-      int32_t c = S.kids[e];
+      const int32_t c = kids[e];
       if (c >= 0 && phi[c] != pu) row.emplace_back(e - e0, phi[c] / pu);
     }
     P.multiplications += static_cast<int64_t>(row.size());
