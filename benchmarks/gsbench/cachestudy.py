@@ -59,14 +59,9 @@ def run(names: list[str], sizes: str, quick: bool, layers: int, keep: Path | Non
     under the cache simulation; the table printed."""
     from . import rowcounts
 
-    why = rowcounts.available()
-    if why is not None:
+    rows, why = rowcounts.try_count_rows(sizes, quick, names, layers, cache_sim=True, keep=keep)
+    if rows is None:
         print(f"{PROG} --cache-study: {why}")
-        return 2
-    try:
-        rows = rowcounts.count_rows(sizes, quick, names, layers, cache_sim=True, keep=keep)
-    except RuntimeError as exc:
-        print(exc)
         return 2
     print(f"{PROG} --cache-study: one process under callgrind --cache-sim=yes, the rows as the main job counts "
           f"them ({'--quick' if quick else 'default'} shapes); medians per implementation")

@@ -78,10 +78,13 @@ def print_table(title: str, summaries: list[dict[str, Any]], meta: dict[str, Any
               f"use_reentrant={meta['hf_checkpoint_use_reentrant']}")
 
 
-def counted_rows(args: argparse.Namespace, wl_names: list[str]) -> tuple[list[str], str]:
-    """The rows counted and their sizes: every row, or --quick's (:data:`QUICK_COUNTED` at the first size)."""
+def counted_rows(args: argparse.Namespace, wl_names: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """The rows counted and how (gsbench/rowcounts.py counted_setting): every
+    row, or --quick's (:data:`QUICK_COUNTED` at the first size)."""
+    from .rowcounts import counted_setting
+
     names = [w for w in wl_names if not args.quick or w in QUICK_COUNTED]
-    return names, args.sizes.split(",")[0] if args.quick else args.sizes
+    return names, counted_setting(args.quick, args.sizes, args.layers)
 
 
 def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[dict[str, Any]],
@@ -95,18 +98,13 @@ def run_counts(args: argparse.Namespace, wl_names: list[str], summaries: list[di
         return "rows not counted (--no-count): verdicts on the timed ratios"
     if args.device != "cpu":
         return f"rows not counted on {args.device} (callgrind counts CPU instructions): verdicts on the timed ratios"
-    why = rowcounts.available()
-    if why is not None:
-        return f"rows not counted: {why}; verdicts on the timed ratios"
-    names, sizes = counted_rows(args, wl_names)
+    names, setting = counted_rows(args, wl_names)
     t0 = time.perf_counter()
-    try:
-        rows = rowcounts.count_rows(sizes, args.quick, names, args.layers)
-    except RuntimeError as exc:
-        print(exc, file=sys.stderr)
-        return "rows not counted (the counted run failed, above): verdicts on the timed ratios"
+    rows, why = rowcounts.try_count_rows(setting["sizes"], args.quick, names, args.layers)
+    if rows is None:
+        return f"rows not counted: {why}; verdicts on the timed ratios"
     rowcounts.attach(summaries, rows)
-    meta["counted_setting"] = {"quick": args.quick, "sizes": sizes, "layers": args.layers}  # (the gate's rows)
+    meta["counted_setting"] = setting  # (the gate's rows)
     reps = rowcounts.QUICK[1] if args.quick else rowcounts.REPS
     return (f"counted: {len(rows)} row(s), instructions of one warm backward under callgrind, median of "
             f"{reps} per implementation ({time.perf_counter() - t0:.0f} s); the verdicts below are "
@@ -175,8 +173,8 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
 
         from .cachestudy import run
 
-        rows, row_sizes = counted_rows(args, wl_names)
-        return run(rows, row_sizes, args.quick, args.layers, Path(args.keep) if args.keep else None)
+        rows, setting = counted_rows(args, wl_names)
+        return run(rows, setting["sizes"], args.quick, args.layers, Path(args.keep) if args.keep else None)
     t0 = time.perf_counter()
     walker = env.wait_for_walker()  # a background build on a fresh machine: wait for it before timing
     build_s = time.perf_counter() - t0

@@ -163,6 +163,21 @@ def count_rows(sizes: str, quick: bool, names: list[str], layers: int, cache_sim
     return rows
 
 
+def try_count_rows(sizes: str, quick: bool, names: list[str], layers: int, cache_sim: bool = False,
+                   keep: Path | None = None) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
+    """:func:`count_rows`, or why not: ``(rows, None)``, or ``(None, why)``
+    where valgrind or a compiler is missing (what to install) or the counted
+    run failed (its error, printed to stderr)."""
+    why = available()
+    if why is not None:
+        return None, why
+    try:
+        return count_rows(sizes, quick, names, layers, cache_sim=cache_sim, keep=keep), None
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return None, "the counted run failed (above)"
+
+
 def attach(summaries: list[dict[str, Any]], rows: dict[str, dict[str, Any]]) -> None:
     """Each summary gets its row's counts: ``summary["counted"][impl]``."""
     for s in summaries:
@@ -219,9 +234,19 @@ def gate_figures(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]
     return out
 
 
+def counted_setting(quick: bool, sizes: str, layers: int) -> dict[str, Any]:
+    """How a run counts its rows (its JSON's ``meta.counted_setting``):
+    ``--quick`` counts :data:`QUICK_COUNTED` at its first size, a default run
+    every row at every size."""
+    return {"quick": quick, "sizes": sizes.split(",")[0] if quick else sizes, "layers": layers}
+
+
+GATE_SETTING = counted_setting(True, DEFAULT_SIZES, DEFAULT_LAYERS)  # the gate's rows: the main job's --quick ones
+
+
 def count_gate_rows() -> dict[str, dict[str, float]]:
     """Count the gate's rows as the main job's --quick run does."""
-    return gate_figures(count_rows(DEFAULT_SIZES.split(",")[0], True, list(QUICK_COUNTED), DEFAULT_LAYERS))
+    return gate_figures(count_rows(GATE_SETTING["sizes"], True, list(QUICK_COUNTED), GATE_SETTING["layers"]))
 
 
 def gate_rows_from(path: str) -> dict[str, dict[str, float]]:
@@ -230,11 +255,10 @@ def gate_rows_from(path: str) -> dict[str, dict[str, float]]:
     with open(path) as f:
         data = json.load(f)
     setting = data.get("meta", {}).get("counted_setting")
-    want = {"quick": True, "sizes": DEFAULT_SIZES.split(",")[0], "layers": DEFAULT_LAYERS}
-    if setting != want:
+    if setting != GATE_SETTING:
         raise ValueError(f"{path}: its rows were not counted as the gate's are (counted: {setting}; the gate's: "
-                         f"{want}): run python benchmarks/overhead.py --quick --json {path} with the default "
-                         "--sizes and --layers, valgrind installed")
+                         f"{GATE_SETTING}): run python benchmarks/overhead.py --quick --json {path} with the "
+                         "default --sizes and --layers, valgrind installed")
     rows = {f"{s['workload']} h{s['hidden']}": s["counted"] for s in data.get("rows", []) if "counted" in s}
     missing = [w for w in QUICK_COUNTED if not any(label.split()[0] == w for label in rows)]
     if missing:
