@@ -35,9 +35,7 @@ class PtrMap {
   void reserve(size_t n) {
     size_t cap = 64;
     while (cap < 2 * n) cap <<= 1;
-    slots_.assign(cap, Slot{nullptr, V(-1)});
-    mask_ = cap - 1;
-    size_ = 0;
+    fresh_slots(cap);
   }
   // Value of `key`, or -1.
   V get(const K* key) const {
@@ -52,7 +50,7 @@ class PtrMap {
   }
   // Value of `key`; inserts `fresh` when absent (then *inserted = true).
   V get_or_insert(const K* key, V fresh, bool* inserted) {
-    if (2 * (size_ + 1) > slots_.size()) grow();
+    if (size_ >= limit_) grow();
     size_t h = hash(key) & mask_;
     while (true) {
       Slot& s = slots_[h];
@@ -84,18 +82,22 @@ class PtrMap {
     x ^= x >> 33;
     return static_cast<size_t>(x);
   }
-  void grow() {
-    std::vector<Slot> old = std::move(slots_);
-    size_t cap = old.empty() ? 64 : old.size() * 2;
+  void fresh_slots(size_t cap) {
     slots_.assign(cap, Slot{nullptr, V(-1)});
     mask_ = cap - 1;
+    limit_ = cap / 2;  // at most half full
     size_ = 0;
+  }
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    fresh_slots(old.empty() ? 64 : old.size() * 2);
     bool ins;
     for (const Slot& s : old)
       if (s.key != nullptr) get_or_insert(s.key, s.val, &ins);
   }
   std::vector<Slot> slots_;
   size_t mask_ = 0;
+  size_t limit_ = 0;  // size_ at which the next insert grows first (0: nothing allocated yet)
   size_t size_ = 0;
 };
 

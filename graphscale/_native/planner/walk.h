@@ -28,9 +28,10 @@ inline void Planner::discover(const std::vector<Node*>& root_nodes, size_t index
   S.leaves.clear();
   S.leaf_group.clear();
   S.customs.clear();
-  constexpr size_t kAhead = 8;  // prefetch distance: the walk is bound by memory latency on a fresh graph
-  for (size_t i = 0; i < found.size(); ++i) {
-    if (i + kAhead < found.size()) {
+  constexpr int64_t kAhead = 8;  // prefetch distance: the walk is bound by memory latency on a fresh graph
+  int64_t count = static_cast<int64_t>(found.size());  // found.size(), kept in a register
+  for (int64_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) {
       const auto& ahead = found[i + kAhead]->next_edges();
       if (!ahead.empty()) __builtin_prefetch(ahead.data());
     }
@@ -53,8 +54,9 @@ inline void Planner::discover(const std::vector<Node*>& root_nodes, size_t index
         kids.push_back(-1);
         continue;
       }
-      int64_t j = index.get_or_insert(nxt, static_cast<int64_t>(found.size()), &ins);
+      int64_t j = index.get_or_insert(nxt, count, &ins);
       if (ins) {
+        ++count;
         found.push_back(nxt);
         __builtin_prefetch(nxt);
         __builtin_prefetch(reinterpret_cast<const char*>(nxt) + 64);
