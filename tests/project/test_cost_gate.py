@@ -220,6 +220,32 @@ def test_the_rows_read_from_a_quick_main_job_are_what_graphscale_adds_to_deepspe
         assert fig == {"instructions": 150_000.0 + 6 * k, "instructions_without": 30_000_000.0 + k}
 
 
+def test_a_quick_run_counts_at_its_first_size_and_that_is_the_gates_setting() -> None:
+    from gsbench import rowcounts
+
+    assert rowcounts.counted_setting(True, "32,256", 12) == {"quick": True, "sizes": "32", "layers": 12}
+    assert rowcounts.counted_setting(False, "32,256", 12) == {"quick": False, "sizes": "32,256", "layers": 12}
+    assert rowcounts.GATE_SETTING == rowcounts.counted_setting(True, rowcounts.DEFAULT_SIZES,
+                                                               rowcounts.DEFAULT_LAYERS)
+
+
+def test_rows_not_counted_say_why_missing_valgrind_or_a_failed_run(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from gsbench import rowcounts
+
+    monkeypatch.setattr(rowcounts, "available", lambda: "valgrind is not installed (apt-get install valgrind)")
+    assert rowcounts.try_count_rows("32", True, ["W1"], 12) == (
+        None, "valgrind is not installed (apt-get install valgrind)")
+
+    def failed(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("overhead.py: the counted run exited 1")
+
+    monkeypatch.setattr(rowcounts, "available", lambda: None)
+    monkeypatch.setattr(rowcounts, "count_rows", failed)
+    assert rowcounts.try_count_rows("32", True, ["W1"], 12) == (None, "the counted run failed (above)")
+    assert "the counted run exited 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("setting, workloads, says", [
     pytest.param(None, ("W1", "W2", "W5", "HF1"), "were not counted as the gate's are", id="not counted"),
     pytest.param({"quick": False, "sizes": "32,256", "layers": 12}, ("W1", "W2", "W5", "HF1"),

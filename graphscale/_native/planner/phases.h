@@ -23,7 +23,8 @@ namespace graphscale::planner {
 // and clear them afresh.  A plan that starts while another is running on the
 // same thread (a caller's answer reentering) takes fresh ones.
 struct Scratch {
-  std::vector<int32_t> kid_start, kids, indeg, order, pinned, hinted, choice, vote_at, tallies;
+  std::vector<int32_t> kid_start, kids, indeg, order, choice, vote_at, tallies;
+  std::vector<int32_t> pinned_leaves, pinned_hinted;  // order(): pin_kind 1 and 2 nodes, in topological order
   std::vector<int32_t> leaves, customs;  // discovery positions of AccumulateGrad and custom-Function nodes
   std::vector<int64_t> leaf_group;       // per entry of leaves: owning group position, or -1
   std::vector<char> pin_kind, enclosed, set;

@@ -93,8 +93,8 @@ inline void Planner::order() {
   for (int32_t v = 0; v < n_roots_; ++v)
     if (indeg[v] == 0) queue[tail++] = v;
   const char* kind = S.pin_kind.data();
-  auto& leaves = S.pinned;  // pin_kind 1, in topological order
-  auto& hinted = S.hinted;  // pin_kind 2, in topological order
+  auto& leaves = S.pinned_leaves;
+  auto& hinted = S.pinned_hinted;
   leaves.clear();
   hinted.clear();
   for (int32_t k = 0; k < tail; ++k) {
